@@ -1,0 +1,119 @@
+"""Argument checks shared by every launcher.
+
+Each check raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape, device
+or value) whose message starts with the argument's name, so a caller can tell which of many
+tensors was wrong. Checks that would need a device-to-host copy (block-id ranges, lengths held on
+the GPU) run only when ``PAGED_BACKEND_DEBUG=1``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEAD_DIMS = (64, 80, 96, 128, 256)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("PAGED_BACKEND_DEBUG", "0") not in ("", "0")
+
+
+def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} like the other inputs, got {t.device}")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+    """``shape`` may hold ``None`` for dimensions that are free."""
+    ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
+    if not ok:
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+
+
+def check_kv_cache(k_cache, v_cache, device=None) -> tuple[int, int, int, int]:
+    """Returns ``(NB, BS, Hkv, D)`` of a ``[NB, BS, Hkv, D]`` cache pair (any strides)."""
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES, device=k_cache.device)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {list(v_cache.shape)} must equal k_cache shape {list(k_cache.shape)}")
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache dtype {v_cache.dtype} must equal k_cache dtype {k_cache.dtype}")
+    nb, bs, hkv, d = k_cache.shape
+    if nb < 1:
+        raise ValueError("k_cache must hold at least one block")
+    if bs < 1 or bs > 256 or bs & (bs - 1):
+        raise ValueError(f"k_cache block size (dim 1) must be a power of two in 1..256, got {bs}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"k_cache head dim (dim 3) must be one of {HEAD_DIMS}, got {d}")
+    if hkv < 1:
+        raise ValueError("k_cache must have at least one KV head (dim 2)")
+    return nb, bs, hkv, d
+
+
+def check_heads(num_q_heads: int, num_kv_heads: int) -> int:
+    """Returns the group size ``Hq // Hkv``."""
+    if num_q_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q heads ({num_q_heads}) must be a positive multiple of the cache's KV heads ({num_kv_heads})")
+    return num_q_heads // num_kv_heads
+
+
+def check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not (scale > 0.0 and scale < float("inf")):
+        raise ValueError(f"scale must be positive and finite, got {scale}")
+    return scale
+
+
+def check_block_table(block_table, seq_lens, num_blocks: int, block_size: int, batch: int,
+                      device, seq_lens_host=None) -> None:
+    """``block_table [B, max_blocks] int32`` and ``seq_lens [B] int32``.
+
+    Lengths are checked against the table's capacity when they are on the host (CPU tensors, or
+    ``seq_lens_host`` from a plan); block ids only in debug mode, since that reads the table.
+    """
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table must have {batch} rows (one per request), got {block_table.shape[0]}")
+    if seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens must have {batch} entries (one per request), got {seq_lens.shape[0]}")
+    capacity = block_table.shape[1] * block_size
+    host = seq_lens_host
+    if host is None and (seq_lens.device.type == "cpu" or debug_enabled()):
+        host = seq_lens.cpu()
+    if host is not None:
+        host = torch.as_tensor(host)
+        if host.numel() and int(host.min()) < 0:
+            raise ValueError(f"seq_lens must be >= 0, got min {int(host.min())}")
+        if host.numel() and int(host.max()) > capacity:
+            raise ValueError(
+                f"seq_lens max {int(host.max())} exceeds the block table's capacity "
+                f"{block_table.shape[1]} blocks x {block_size} = {capacity}")
+    if debug_enabled() and host is not None and host.numel():
+        used = (host.to(torch.int64) + block_size - 1) // block_size
+        cols = torch.arange(block_table.shape[1])
+        live = cols[None, :] < used[:, None]
+        ids = block_table.cpu()[live]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+            raise ValueError(
+                f"block_table holds block ids outside [0, {num_blocks}) in its used entries "
+                f"(min {int(ids.min())}, max {int(ids.max())})")
+
+
+def check_out(name: str, out, shape: tuple, dtype, device) -> None:
+    check_tensor(name, out, dtypes=(dtype,), device=device)
+    check_shape(name, out, shape)

@@ -1,0 +1,187 @@
+"""Paged decode: one query token per request against its paged K/V.
+
+The ``Hq / Hkv`` query heads that share a KV head are the rows of one tile (padded to >= 16 for
+``tl.dot``), so each K/V tile is read once per group. Pages are looked up per token
+(``block_table[b, n // BS]``, row ``n % BS``), so any power-of-two block size works and any cache
+strides are accepted. Work comes from a :class:`paged_backend.plan.DecodePlan`: each program runs
+its pieces ``(request, kv_head, token range)`` in order (persistent stream-K, or one piece per
+program for split-KV) and the pieces of a split segment are reduced in a fixed order.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.merge import merge_finish, merge_step
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, work_ptr, prog_ptr,
+    out_ptr, lse_ptr, po_ptr, plse_ptr,
+    sm_scale, max_tokens,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_btb, stride_btn,
+    stride_ob, stride_oh, stride_od,
+    stride_lb, stride_lh,
+    stride_pop, stride_poh, stride_pod,
+    stride_plp, stride_plh,
+    GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    g = tl.program_id(0)
+    p_lo = tl.load(prog_ptr + g)
+    p_hi = tl.load(prog_ptr + g + 1)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < GROUP
+    d_ok = offs_d < D
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+    for p in range(p_lo, p_hi):
+        w = work_ptr + p * 5  # (request, kv_head, token_start, token_end, slot)
+        b = tl.load(w).to(tl.int64)
+        kvh = tl.load(w + 1).to(tl.int64)
+        start = tl.load(w + 2)
+        # The device lengths bound the range too: a plan made from upper bounds stays exact,
+        # and nothing past the table's capacity is ever read.
+        end = tl.minimum(tl.minimum(tl.load(w + 3), tl.load(seq_lens_ptr + b)), max_tokens)
+        slot = tl.load(w + 4)
+        qh = kvh * GROUP + offs_h  # query heads of this KV head  [BLOCK_H]
+        q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                    mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            tok = n0 + offs_n
+            t_ok = tok < end
+            page = tl.load(bt_ptr + b * stride_btb + (tok // BS) * stride_btn, mask=t_ok, other=0).to(tl.int64)
+            row = (tok % BS).to(tl.int64)
+            kv_mask = t_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + (page * stride_kb + row * stride_ks + kvh * stride_kh)[:, None]
+                        + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            # Every tile holds at least one live token, so m_new is finite after the first.
+            s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            pr = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            v = tl.load(v_ptr + (page * stride_vb + row * stride_vs + kvh * stride_vh)[:, None]
+                        + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+            m_i = m_new
+        empty = l_i == 0.0
+        o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        o_mask = h_ok[:, None] & d_ok[None, :]
+        if slot < 0:  # the segment's only piece: write the output itself
+            tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                     o.to(out_ptr.dtype.element_ty), mask=o_mask)
+            tl.store(lse_ptr + b * stride_lb + qh * stride_lh, lse, mask=h_ok)
+        else:
+            slot64 = slot.to(tl.int64)
+            tl.store(po_ptr + slot64 * stride_pop + offs_h[:, None] * stride_poh + offs_d[None, :] * stride_pod,
+                     o, mask=o_mask)
+            tl.store(plse_ptr + slot64 * stride_plp + offs_h * stride_plh, lse, mask=h_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    seg_ptr, po_ptr, plse_ptr, out_ptr, lse_ptr,
+    HKV,
+    stride_pop, stride_poh, stride_pod,
+    stride_plp, stride_plh,
+    stride_ob, stride_oh, stride_od,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per (request, kv_head) segment: folds its pieces in piece order.
+    s = tl.program_id(0)
+    lo = tl.load(seg_ptr + s)
+    hi = tl.load(seg_ptr + s + 1)
+    if hi - lo != 1:  # a single piece already wrote the output
+        b = (s // HKV).to(tl.int64)
+        qh = (s % HKV).to(tl.int64) * GROUP + tl.arange(0, BLOCK_H)
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        h_ok = offs_h < GROUP
+        mask = h_ok[:, None] & (offs_d[None, :] < D)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        w_sum = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for p in range(lo, hi):
+            # p < max_pieces, p * stride fits int32: the workspace is a few MB
+            lse = tl.load(plse_ptr + p * stride_plp + offs_h * stride_plh, mask=h_ok, other=float("-inf"))
+            o = tl.load(po_ptr + p * stride_pop + offs_h[:, None] * stride_poh + offs_d[None, :] * stride_pod,
+                        mask=mask, other=0.0)
+            m, w_sum, acc = merge_step(m, w_sum, acc, lse, o)
+        o, lse = merge_finish(m, w_sum, acc)
+        tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(lse_ptr + b * stride_lb + qh * stride_lh, lse, mask=h_ok)
+
+
+def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float, out, lse,
+                  num_warps: int = 4, num_stages: int = 2):
+    """q [B, Hq, D]; caches [NB, BS, Hkv, D]; writes out [B, Hq, D] and lse [B, Hq] (fp32, ln)."""
+    b, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    if b == 0:
+        return
+    block_h = max(16, triton.next_power_of_2(group))
+    block_d = triton.next_power_of_2(d)
+    po, plse = plan.partial_o, plan.partial_lse
+    _decode_kernel[(plan.num_programs,)](
+        q, k_cache, v_cache, block_table, seq_lens, plan.work, plan.prog_ptr,
+        out, lse, po, plse,
+        scale, block_table.shape[1] * bs,
+        *q.stride(), *k_cache.stride(),
+        *v_cache.stride(), *block_table.stride(), *out.stride(), *lse.stride(),
+        *po.stride(), *plse.stride(),
+        GROUP=group, BS=bs, D=d, BLOCK_H=block_h, BLOCK_N=plan.block_n, BLOCK_D=block_d,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+    )
+    _decode_reduce_kernel[(b * hkv,)](
+        plan.seg_ptr, po, plse, out, lse, hkv,
+        *po.stride(), *plse.stride(), *out.stride(), *lse.stride(),
+        GROUP=group, D=d, BLOCK_H=triton.next_power_of_2(group), BLOCK_D=block_d,
+    )
+
+
+def decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float, out, lse):
+    """Vectorised torch version (CPU tensors): gathers pages a few requests at a time."""
+    b, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    lens = seq_lens.long()
+    max_len = int(lens.max()) if b else 0
+    n_blk = -(-max_len // bs)
+    per = max(1, (1 << 24) // max(1, n_blk * bs * hkv * d))  # requests per chunk: bounds memory
+    for c in range(0, b, per):
+        ln = lens[c:c + per]
+        live_blk = torch.arange(n_blk)[None, :] < ((ln + bs - 1) // bs)[:, None]
+        bt = torch.where(live_blk, block_table[c:c + per, :n_blk].long(), 0)  # dead ids never read
+        k = k_cache[bt].flatten(1, 2).float()  # [b, L, Hkv, D]
+        v = v_cache[bt].flatten(1, 2).float()
+        qg = q[c:c + per].float().view(-1, hkv, group, d)
+        s = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
+        live = torch.arange(n_blk * bs)[None, :] < ln[:, None]
+        s = s.masked_fill(~live[:, None, None, :], float("-inf"))
+        l_ = torch.logsumexp(s, dim=-1)  # [b, Hkv, g]
+        p = torch.exp(s - l_.nan_to_num(neginf=0.0)[..., None])  # empty rows: exp(-inf) = 0
+        o = torch.einsum("bhgl,blhd->bhgd", p, v)
+        out[c:c + per] = o.reshape(-1, hq, d).to(out.dtype)
+        lse[c:c + per] = l_.reshape(-1, hq)

@@ -1,0 +1,20 @@
+"""Which implementation runs an op: Triton kernels for CUDA tensors, and for CPU tensors too when
+``TRITON_INTERPRET=1`` (how CI tests the kernels); otherwise the vectorised torch version."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or INTERPRET
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; a small fixed count on CPU (interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4

@@ -1,0 +1,114 @@
+"""Merging attention states ``(o, lse)``: two states, or a stack of N along a leading axis.
+
+A state summarises attention over a key set: ``o`` is the softmax-weighted value sum and ``lse``
+the natural-log sum of exp(scores). Two states over disjoint key sets merge exactly::
+
+    m = max(lse_a, lse_b);  w_a = exp(lse_a - m);  w_b = exp(lse_b - m)
+    o = (w_a o_a + w_b o_b) / (w_a + w_b);  lse = m + log(w_a + w_b)
+
+An empty key set has ``lse = -inf`` (and ``o = 0``); merging with it is the identity, and two
+empty states merge to an empty state, never NaN.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+
+@triton.jit
+def merge_step(m, w_sum, acc, lse, o):
+    """Folds one state (lse [R], o [R, D]) into a running merge (m [R], w_sum [R], acc [R, D]),
+    all fp32, natural log. Start from m = -inf, w_sum = 0, acc = 0."""
+    m_new = tl.maximum(m, lse)
+    # While both are -inf the row is still empty: shift by 0 so exp(-inf - 0) = 0, never NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    w = tl.exp(lse - m_safe)
+    return m_new, w_sum * alpha + w, acc * alpha[:, None] + o * w[:, None]
+
+
+@triton.jit
+def merge_finish(m, w_sum, acc):
+    """-> (o [R, D], lse [R]); an empty merge gives o = 0, lse = -inf."""
+    empty = w_sum == 0.0
+    o = acc / tl.where(empty, 1.0, w_sum)[:, None]
+    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, w_sum)))
+    return o, lse
+
+
+@triton.jit
+def _merge_states_kernel(
+    o_ptr, lse_ptr, ob_ptr, lseb_ptr, out_ptr, out_lse_ptr,
+    N, R, H,
+    stride_on, stride_ot, stride_oh, stride_od,
+    stride_ln, stride_lt, stride_lh,
+    stride_obt, stride_obh, stride_obd,
+    stride_lbt, stride_lbh,
+    stride_outt, stride_outh, stride_outd,
+    stride_olt, stride_olh,
+    HAS_B: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program merges BLOCK_R rows (a row = one (token, head)) over the N stacked states and,
+    # with HAS_B, one more state held in its own tensors (two-state merges need no stacking copy).
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < R
+    t = (rows // H).to(tl.int64)
+    h = (rows % H).to(tl.int64)
+    mask = row_ok[:, None] & (offs_d[None, :] < D)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    w_sum = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for n in range(N):
+        lse = tl.load(lse_ptr + n * stride_ln + t * stride_lt + h * stride_lh, mask=row_ok,
+                      other=float("-inf")).to(tl.float32)
+        o = tl.load(o_ptr + n * stride_on + t[:, None] * stride_ot + h[:, None] * stride_oh
+                    + offs_d[None, :] * stride_od, mask=mask, other=0.0).to(tl.float32)
+        m, w_sum, acc = merge_step(m, w_sum, acc, lse, o)
+    if HAS_B:
+        lse = tl.load(lseb_ptr + t * stride_lbt + h * stride_lbh, mask=row_ok, other=float("-inf"))
+        o = tl.load(ob_ptr + t[:, None] * stride_obt + h[:, None] * stride_obh + offs_d[None, :] * stride_obd,
+                    mask=mask, other=0.0).to(tl.float32)
+        m, w_sum, acc = merge_step(m, w_sum, acc, lse, o)
+    out, lse_out = merge_finish(m, w_sum, acc)
+    tl.store(out_ptr + t[:, None] * stride_outt + h[:, None] * stride_outh + offs_d[None, :] * stride_outd,
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_lse_ptr + t * stride_olt + h * stride_olh, lse_out, mask=row_ok)
+
+
+def merge_triton(o_stack: torch.Tensor, lse_stack: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor,
+                 o_b: torch.Tensor | None = None, lse_b: torch.Tensor | None = None):
+    """o_stack [N, T, H, D], lse_stack [N, T, H] (and optionally one more state o_b [T, H, D],
+    lse_b [T, H], merged last) -> writes out [T, H, D], out_lse [T, H]."""
+    n, t, h, d = o_stack.shape
+    rows = t * h
+    block_d = triton.next_power_of_2(d)
+    block_r = max(1, min(16, 4096 // block_d))
+    grid = (triton.cdiv(rows, block_r),)
+    if rows == 0:
+        return
+    has_b = o_b is not None
+    o_b, lse_b = (o_b, lse_b) if has_b else (out, out_lse)  # placeholders, never read
+    _merge_states_kernel[grid](
+        o_stack, lse_stack, o_b, lse_b, out, out_lse, n, rows, h,
+        *o_stack.stride(), *lse_stack.stride(), *o_b.stride(), *lse_b.stride(),
+        *out.stride(), *out_lse.stride(),
+        HAS_B=has_b, D=d, BLOCK_R=block_r, BLOCK_D=block_d,
+    )
+
+
+def merge_torch(o_stack: torch.Tensor, lse_stack: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor):
+    """Vectorised torch version of :func:`merge_triton` (CPU tensors)."""
+    lse = lse_stack.float()
+    m = lse.max(dim=0).values  # [T, H]
+    m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    w = torch.exp(lse - m_safe)  # [N, T, H]; exp(-inf) = 0
+    w_sum = w.sum(dim=0)
+    empty = w_sum == 0
+    acc = (o_stack.float() * w[..., None]).sum(dim=0)
+    out.copy_(acc / torch.where(empty, torch.ones_like(w_sum), w_sum)[..., None])
+    out_lse.copy_(torch.where(empty, torch.full_like(m, float("-inf")),
+                              m_safe + torch.log(torch.where(empty, torch.ones_like(w_sum), w_sum))))

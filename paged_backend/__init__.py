@@ -1,0 +1,10 @@
+"""paged-backend: paged-KV attention with Triton kernels.
+
+Attention states are ``(o, lse)`` with ``lse`` in float32 natural log; see docs/api.md.
+"""
+from paged_backend.cache import write_kv
+from paged_backend.decode import paged_decode
+from paged_backend.merge import merge_states, merge_states_many
+from paged_backend.plan import DecodePlan, plan_decode
+
+__all__ = ["write_kv", "paged_decode", "plan_decode", "DecodePlan", "merge_states", "merge_states_many"]

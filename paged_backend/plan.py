@@ -1,0 +1,202 @@
+"""Host-side work partition for paged decode (split-KV and stream-K / Lean Attention).
+
+Work units are ``(request, kv_head, kv_tile)`` with ``kv_tile`` = ``BLOCK_N`` tokens. A *segment*
+is the units of one ``(request, kv_head)``, segments laid end to end in ``b * Hkv + h`` order.
+The plan cuts that line of units into program runs:
+
+- ``stream_k``: ``G`` persistent programs get equal contiguous runs (sizes differ by at most one
+  unit), crossing request and head boundaries; when whole segments already balance the GPU it
+  cuts only at segment boundaries (no split, no partial states).
+- ``split``: every segment is cut into the same number of chunks, one program per chunk
+  (FlashDecoding-style split-KV; the baseline stream-K is measured against).
+
+The intersections of program runs and segments are *pieces*: a program runs its pieces in order
+and writes one state per piece; a segment of one piece writes the output directly, a segment of
+several is reduced in piece order (deterministic: same inputs, same bits).
+
+All of it is numpy on the host, once per step; the result is one host-to-device copy into
+fixed-size buffers, reused by every layer. ``DecodePlan.update`` refills the same buffers with new
+lengths, so a CUDA graph captured with the plan replays correctly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kernels.checks import HEAD_DIMS, check_heads
+from kernels.dispatch import num_sms
+
+# Programs resident per SM for the decode kernel (4 warps, 2-3 pipeline stages); G = SMs x this.
+PROGRAMS_PER_SM = 2
+# Stream-K keeps whole segments (no split) when that is at most this much slower than an even cut.
+NO_SPLIT_SLACK = 1.15
+WORK_FIELDS = 5  # (request, kv_head, token_start, token_end, partial slot or -1 = write output)
+
+
+def block_n_for(head_dim: int) -> int:
+    """Tokens per KV tile: keeps a K and a V tile of bf16 within a few tens of KB of shared memory."""
+    return 32 if head_dim > 128 else 64
+
+
+def _as_host_lens(seq_lens_cpu) -> np.ndarray:
+    if isinstance(seq_lens_cpu, torch.Tensor):
+        if seq_lens_cpu.device.type != "cpu":
+            raise ValueError("seq_lens_cpu must be a host (CPU) tensor, list or numpy array; "
+                             f"got a tensor on {seq_lens_cpu.device} (copy it once per step, not per layer)")
+        seq_lens_cpu = seq_lens_cpu.numpy()
+    arr = np.asarray(seq_lens_cpu)
+    if arr.ndim != 1:
+        raise ValueError(f"seq_lens_cpu must be 1-D [B], got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"seq_lens_cpu must hold integers, got {arr.dtype}")
+    if arr.size and arr.min() < 0:
+        raise ValueError(f"seq_lens_cpu must be >= 0, got min {arr.min()}")
+    return arr.astype(np.int64)
+
+
+def _program_bounds(seg_units: np.ndarray, mode: str, grid: int) -> np.ndarray:
+    """Cut points (in units, including 0 and U) of the program runs; ``len - 1`` programs."""
+    total = int(seg_units.sum())
+    seg_bounds = np.concatenate([[0], np.cumsum(seg_units)])
+    if mode == "split":
+        live = max(1, int((seg_units > 0).sum()))
+        chunks = max(1, -(-grid // live))
+        per = np.maximum(1, -(-seg_units // chunks))  # units per chunk, per segment
+        n_chunks = np.where(seg_units > 0, -(-seg_units // per), 0)
+        starts = np.repeat(seg_bounds[:-1], n_chunks)
+        first = np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
+        offs = (np.arange(int(n_chunks.sum())) - first) * np.repeat(per, n_chunks)
+        return np.unique(np.concatenate([starts + offs, [0, total]]))
+    # stream_k: keep whole segments when they already balance the GPU.
+    n_seg = seg_units.size
+    longest = int(seg_units.max()) if n_seg else 0
+    if n_seg >= grid and -(-n_seg // grid) * longest <= NO_SPLIT_SLACK * total / grid:
+        idx = (np.arange(grid + 1) * n_seg) // grid
+        return seg_bounds[idx]
+    return (np.arange(grid + 1, dtype=np.int64) * total) // grid
+
+
+@dataclass
+class DecodePlan:
+    """What the decode kernel needs, computed on the host once per step.
+
+    Device buffers (fixed size ``max_pieces`` so a CUDA graph can replay with new lengths):
+    ``work [max_pieces, 5] int32``, ``prog_ptr [G + 1] int32``, ``seg_ptr [B * Hkv + 1] int32``,
+    and the fp32 workspace for partial states ``partial_o [max_pieces, group, D]``,
+    ``partial_lse [max_pieces, group]``.
+    """
+    batch_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    block_n: int
+    target_programs: int
+    mode: str
+    device: torch.device
+    seq_lens_host: np.ndarray = field(repr=False)
+    num_pieces: int = 0
+    buffers: torch.Tensor = field(default=None, repr=False)
+    partial_o: torch.Tensor = field(default=None, repr=False)
+    partial_lse: torch.Tensor = field(default=None, repr=False)
+
+    @property
+    def num_programs(self) -> int:
+        """The fixed launch grid. Split-KV cuts each of the S live segments into
+        ceil(G / S) chunks, so at most G + S programs."""
+        if self.mode == "split":
+            return self.target_programs + self.batch_size * self.num_kv_heads
+        return self.target_programs
+
+    @property
+    def max_pieces(self) -> int:
+        return self.target_programs + self.batch_size * self.num_kv_heads
+
+    @property
+    def work(self) -> torch.Tensor:  # [max_pieces, 5]
+        return self.buffers[: self.max_pieces * WORK_FIELDS].view(self.max_pieces, WORK_FIELDS)
+
+    @property
+    def prog_ptr(self) -> torch.Tensor:  # [G + 1]
+        start = self.max_pieces * WORK_FIELDS
+        return self.buffers[start: start + self.num_programs + 1]
+
+    @property
+    def seg_ptr(self) -> torch.Tensor:  # [B * Hkv + 1]
+        start = self.max_pieces * WORK_FIELDS + self.num_programs + 1
+        return self.buffers[start:]
+
+    def update(self, seq_lens_cpu) -> "DecodePlan":
+        """Re-partition for new lengths (same batch size) into the same device buffers."""
+        lens = _as_host_lens(seq_lens_cpu)
+        if lens.size != self.batch_size:
+            raise ValueError(f"seq_lens_cpu must have {self.batch_size} entries (the plan's batch size), "
+                             f"got {lens.size}")
+        self.seq_lens_host = lens
+        host = self._partition(lens)
+        if self.buffers is None:
+            self.buffers = torch.empty(host.size, dtype=torch.int32, device=self.device)
+            group = self.num_q_heads // self.num_kv_heads
+            self.partial_o = torch.empty(self.max_pieces, group, self.head_dim, dtype=torch.float32,
+                                         device=self.device)
+            self.partial_lse = torch.empty(self.max_pieces, group, dtype=torch.float32, device=self.device)
+        src = torch.from_numpy(host)
+        if self.device.type == "cuda":
+            src = src.pin_memory()
+        self.buffers.copy_(src, non_blocking=True)
+        return self
+
+    def _partition(self, lens: np.ndarray) -> np.ndarray:
+        """Packs ``work | prog_ptr | seg_ptr`` into one int32 host array."""
+        hkv, bn = self.num_kv_heads, self.block_n
+        seg_tokens = np.repeat(lens, hkv)  # [S], S = B * Hkv
+        seg_units = -(-seg_tokens // bn)
+        seg_bounds = np.concatenate([[0], np.cumsum(seg_units)])
+        prog_bounds = _program_bounds(seg_units, self.mode, self.target_programs)
+        cuts = np.union1d(prog_bounds, seg_bounds)
+        starts, ends = cuts[:-1], cuts[1:]
+        seg = np.searchsorted(seg_bounds, starts, side="right") - 1  # [P]
+        n_pieces = starts.size
+        seg_ptr = np.searchsorted(starts, seg_bounds, side="left")
+        pieces_per_seg = np.diff(seg_ptr)
+        slot = np.where(pieces_per_seg[seg] > 1, np.arange(n_pieces), -1)
+        tok_start = (starts - seg_bounds[seg]) * bn
+        tok_end = np.minimum((ends - seg_bounds[seg]) * bn, seg_tokens[seg] if seg.size else 0)
+        work = np.zeros((self.max_pieces, WORK_FIELDS), dtype=np.int64)
+        work[:n_pieces] = np.stack([seg // hkv, seg % hkv, tok_start, tok_end, slot], axis=1)
+        prog_ptr = np.zeros(self.num_programs + 1, dtype=np.int64)
+        n_prog = prog_bounds.size - 1
+        prog_ptr[: n_prog + 1] = np.searchsorted(starts, prog_bounds, side="left")
+        prog_ptr[n_prog + 1:] = n_pieces  # programs past the last cut get empty runs
+        self.num_pieces = n_pieces
+        return np.concatenate([work.ravel(), prog_ptr, seg_ptr]).astype(np.int32)
+
+
+def plan_decode(seq_lens_cpu, *, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                device=None, mode: str = "stream_k", num_programs: int | None = None) -> DecodePlan:
+    """Partition one decode step. ``seq_lens_cpu [B]`` host lengths (tokens in cache, current one
+    included). ``num_programs`` overrides ``G`` (default: SMs x programs per SM). Reuse the plan for
+    every layer of the step; call ``plan.update(new_lens)`` next step to keep the same buffers."""
+    lens = _as_host_lens(seq_lens_cpu)
+    for name, val in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
+                      ("head_dim", head_dim), ("block_size", block_size)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    check_heads(num_q_heads, num_kv_heads)
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if block_size > 256 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two in 1..256, got {block_size}")
+    if mode not in ("stream_k", "split"):
+        raise ValueError(f"mode must be 'stream_k' or 'split', got {mode!r}")
+    device = torch.device("cuda" if device is None and torch.cuda.is_available() else (device or "cpu"))
+    if num_programs is None:
+        num_programs = num_sms(device) * PROGRAMS_PER_SM
+    elif isinstance(num_programs, bool) or not isinstance(num_programs, (int, np.integer)) or num_programs < 1:
+        raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")
+    plan = DecodePlan(batch_size=lens.size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                      head_dim=head_dim, block_size=block_size, block_n=block_n_for(head_dim),
+                      target_programs=int(num_programs), mode=mode, device=device, seq_lens_host=lens)
+    return plan.update(lens)
