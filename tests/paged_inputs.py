@@ -1,0 +1,55 @@
+"""Random paged-cache inputs for tests: shuffled pages, optional vLLM-style strided views."""
+from __future__ import annotations
+
+import torch
+
+
+def make_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype,
+               device="cpu", layout: str = "nhd", scale: float = 1.0):
+    """-> (k_cache, v_cache) ``[NB, BS, Hkv, D]``.
+
+    ``layout="vllm"`` returns K and V as non-contiguous views of one ``[NB, Hkv, BS, 2D]`` buffer
+    (no copy), as vLLM's cache looks; ``"nhd"`` returns two contiguous tensors.
+    """
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if layout == "nhd":
+        k = torch.randn(shape, dtype=torch.float32, device=device) * scale
+        v = torch.randn(shape, dtype=torch.float32, device=device)
+        return k.to(dtype), v.to(dtype)
+    if layout == "vllm":
+        buf = torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_dim, device=device).to(dtype)
+        buf[..., :head_dim] *= scale
+        k = buf[..., :head_dim].permute(0, 2, 1, 3)
+        v = buf[..., head_dim:].permute(0, 2, 1, 3)
+        return k, v
+    raise ValueError(layout)
+
+
+def make_block_table(seq_lens, block_size: int, num_blocks: int, extra_cols: int = 0, device="cpu",
+                     generator=None):
+    """Shuffled, disjoint pages per request; unused entries hold garbage ids (they must never be read).
+
+    -> block_table [B, max_blocks] int32 with max_blocks >= the longest request's blocks.
+    """
+    need = [-(-int(n) // block_size) for n in seq_lens]
+    cols = max(need + [1]) + extra_cols
+    if sum(need) > num_blocks:
+        raise ValueError("not enough blocks")
+    perm = torch.randperm(num_blocks, generator=generator)
+    table = torch.randint(-5, 10 ** 6, (len(need), cols), generator=generator, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[at:at + n].to(torch.int32)
+        at += n
+    return table.to(device)
+
+
+def make_decode_inputs(seq_lens, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype,
+                       device="cpu", layout: str = "nhd", spare_blocks: int = 3, q_scale: float = 1.0):
+    """-> (q [B, Hq, D], k_cache, v_cache, block_table, seq_lens int32)."""
+    need = sum(-(-int(n) // block_size) for n in seq_lens)
+    nb = need + spare_blocks
+    k, v = make_cache(nb, block_size, num_kv_heads, head_dim, dtype, device, layout)
+    bt = make_block_table(seq_lens, block_size, nb, device=device)
+    q = (torch.randn(len(seq_lens), num_q_heads, head_dim, device=device) * q_scale).to(dtype)
+    return q, k, v, bt, torch.tensor(list(seq_lens), dtype=torch.int32, device=device)
