@@ -1,0 +1,129 @@
+"""Paged decode against the dense fp64 reference (torch path, or Triton under TRITON_INTERPRET=1)."""
+import pytest
+import torch
+
+import paged_backend as pb
+from kernels.dispatch import INTERPRET
+from paged_inputs import make_decode_inputs
+from reference import assert_close_state, decode_reference
+
+pytestmark = pytest.mark.kernel
+
+DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
+
+
+def run_case(seq_lens, hq, hkv, d, bs, dtype, layout="nhd", q_scale=1.0, plan_mode=None, num_programs=None,
+             scale=None):
+    torch.manual_seed(hash((tuple(seq_lens), hq, hkv, d, bs, str(dtype), layout)) % 2 ** 31)
+    q, k, v, bt, sl = make_decode_inputs(seq_lens, hq, hkv, d, bs, dtype, layout=layout, q_scale=q_scale)
+    plan = None
+    if plan_mode is not None:
+        plan = pb.plan_decode(sl, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device="cpu",
+                              mode=plan_mode, num_programs=num_programs)
+    out, lse = pb.paged_decode(q, k, v, bt, sl, scale=scale, plan=plan)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == q.shape[:2] and lse.dtype == torch.float32
+    ref_o, ref_lse = decode_reference(q, k, v, bt, sl, scale=scale)
+    assert_close_state(out, lse, ref_o, ref_lse, dtype)
+    return out, lse
+
+
+@pytest.mark.parametrize("bs", [1, 16, 64, 256])
+@pytest.mark.parametrize("n_off", [-1, 0, 1])
+def test_lengths_around_block_size(bs, n_off):
+    n = max(1, bs + n_off)
+    run_case([n, 1, 2 * bs + n_off + 1], 8, 2, 64, bs, torch.float32)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (16, 2), (32, 1)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gqa_and_dtypes(hq, hkv, dtype):
+    run_case([1, 70, 33], hq, hkv, 64, 16, dtype)
+
+
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+def test_head_dims(d):
+    run_case([5, 40], 4, 2, d, 8, torch.float16)
+
+
+def test_ragged_with_empty_and_long():
+    out, lse = run_case([0, 300, 1, 0, 17], 4, 1, 64, 16, torch.float32)
+    assert torch.all(out[0] == 0) and torch.all(out[3] == 0)
+    assert torch.all(lse[0] == float("-inf")) and torch.all(lse[3] == float("-inf"))
+
+
+@pytest.mark.parametrize("layout", ["vllm"])
+def test_vllm_strided_cache_views(layout):
+    run_case([40, 9], 8, 2, 128, 16, torch.float16, layout=layout)
+
+
+def test_huge_logits_stay_finite():
+    run_case([200, 3], 8, 2, 64, 16, torch.float32, q_scale=300.0)
+
+
+def test_custom_scale():
+    run_case([50], 4, 2, 64, 16, torch.float32, scale=0.3)
+
+
+def test_non_contiguous_q():
+    q, k, v, bt, sl = make_decode_inputs([30, 7], 8, 2, 64, 16, torch.float32)
+    q_wide = torch.randn(2, 8, 128)
+    q_view = q_wide[:, :, ::2]
+    out, lse = pb.paged_decode(q_view, k, v, bt, sl)
+    ref_o, ref_lse = decode_reference(q_view.contiguous(), k, v, bt, sl)
+    assert_close_state(out, lse, ref_o, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["stream_k", "split"])
+@pytest.mark.parametrize("num_programs", [1, 3, 7, 64])
+def test_any_plan_is_exact(mode, num_programs):
+    run_case([1, 130, 0, 64, 65], 8, 2, 64, 4, torch.float32, plan_mode=mode, num_programs=num_programs)
+
+
+def test_ragged_mix_one_token_next_to_long():
+    run_case([1, 600, 1, 1], 4, 2, 64, 16, torch.float32, plan_mode="stream_k", num_programs=5)
+
+
+def test_deterministic_bits():
+    q, k, v, bt, sl = make_decode_inputs([90, 33, 129], 8, 2, 64, 16, torch.float32)
+    plan = pb.plan_decode(sl, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",
+                          num_programs=5)
+    first = pb.paged_decode(q, k, v, bt, sl, plan=plan)
+    for _ in range(2):
+        again = pb.paged_decode(q, k, v, bt, sl, plan=plan)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def test_return_lse_false():
+    q, k, v, bt, sl = make_decode_inputs([12], 4, 2, 64, 16, torch.float32)
+    out = pb.paged_decode(q, k, v, bt, sl, return_lse=False)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+
+
+def test_plan_update_reuses_buffers():
+    q, k, v, bt, sl = make_decode_inputs([100, 100], 4, 2, 64, 16, torch.float32)
+    plan = pb.plan_decode([100, 100], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",
+                          num_programs=3)
+    buf = plan.buffers.data_ptr()
+    new = torch.tensor([7, 93], dtype=torch.int32)
+    plan.update(new)
+    assert plan.buffers.data_ptr() == buf
+    out, lse = pb.paged_decode(q, k, v, bt, new, plan=plan)
+    ref_o, ref_lse = decode_reference(q, k, v, bt, new)
+    assert_close_state(out, lse, ref_o, ref_lse, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("mode", ["stream_k", "split", None])
+def test_gpu_large(dtype, mode):
+    lens = [1, 16, 17, 5000, 70000, 0, 333]
+    q, k, v, bt, sl = make_decode_inputs(lens, 32, 8, 128, 16, dtype, device="cuda", layout="vllm")
+    plan = None
+    if mode is not None:
+        plan = pb.plan_decode(lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda",
+                              mode=mode)
+    out, lse = pb.paged_decode(q, k, v, bt, sl, plan=plan)
+    ref_o, ref_lse = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu())
+    assert_close_state(out, lse, ref_o, ref_lse, dtype)

@@ -1,0 +1,104 @@
+"""Properties of the host decode partition (no kernels run here)."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import paged_backend as pb
+
+
+def host_arrays(plan):
+    buf = plan.buffers.cpu().numpy()
+    n = plan.max_pieces * 5
+    work = buf[:n].reshape(-1, 5)
+    prog_ptr = buf[n:n + plan.num_programs + 1]
+    seg_ptr = buf[n + plan.num_programs + 1:]
+    return work[:plan.num_pieces], prog_ptr, seg_ptr
+
+
+def make(lens, hkv=2, mode="stream_k", g=8, d=64):
+    return pb.plan_decode(np.asarray(lens), num_q_heads=2 * hkv, num_kv_heads=hkv, head_dim=d, block_size=16,
+                          device="cpu", mode=mode, num_programs=g)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(lens=st.lists(st.integers(0, 3000), min_size=1, max_size=12), hkv=st.sampled_from([1, 2, 8]),
+       mode=st.sampled_from(["stream_k", "split"]), g=st.integers(1, 300))
+def test_every_token_covered_exactly_once(lens, hkv, mode, g):
+    plan = make(lens, hkv, mode, g)
+    work, prog_ptr, seg_ptr = host_arrays(plan)
+    bn = plan.block_n
+    assert prog_ptr[0] == 0 and prog_ptr[-1] == plan.num_pieces and np.all(np.diff(prog_ptr) >= 0)
+    assert seg_ptr[0] == 0 and seg_ptr[-1] == plan.num_pieces and np.all(np.diff(seg_ptr) >= 0)
+    for s in range(len(lens) * hkv):
+        b, h = divmod(s, hkv)
+        pieces = work[seg_ptr[s]:seg_ptr[s + 1]]
+        assert np.all(pieces[:, 0] == b) and np.all(pieces[:, 1] == h)
+        # Pieces of a segment tile [0, len) in order, without gaps or overlaps, at tile boundaries.
+        edges = np.concatenate([[0], pieces[:, 3]]) if len(pieces) else np.array([0])
+        assert np.array_equal(pieces[:, 2], edges[:-1])
+        assert edges[-1] == lens[b]
+        assert np.all(pieces[:, 2] % bn == 0) and np.all(pieces[:, 3] > pieces[:, 2])
+        # One piece writes the output; several write distinct workspace slots reduced in order.
+        if len(pieces) == 1:
+            assert pieces[0, 4] == -1
+        else:
+            assert np.array_equal(pieces[:, 4], np.arange(seg_ptr[s], seg_ptr[s + 1]))
+    assert plan.num_pieces <= plan.max_pieces
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(lens=st.lists(st.integers(1, 5000), min_size=1, max_size=10), g=st.integers(1, 200))
+def test_stream_k_runs_differ_by_at_most_one_unit(lens, g):
+    plan = make(lens, 2, "stream_k", g)
+    work, prog_ptr, _ = host_arrays(plan)
+    units = -(-(work[:, 3] - work[:, 2]) // plan.block_n)
+    per_prog = np.array([units[prog_ptr[i]:prog_ptr[i + 1]].sum() for i in range(g)])
+    assert per_prog.sum() == sum(-(-n // plan.block_n) for n in lens) * 2
+    whole_segments = all(work[prog_ptr[i]:prog_ptr[i + 1], 4].max(initial=-1) == -1 for i in range(g))
+    if not whole_segments:  # even cut: equal runs
+        assert per_prog.max() - per_prog.min() <= 1
+
+
+def test_no_split_when_batch_fills_gpu():
+    plan = make([4096] * 64, hkv=8, g=264)
+    work, _, _ = host_arrays(plan)
+    assert plan.num_pieces == 64 * 8 and np.all(work[:, 4] == -1)
+
+
+def test_long_request_is_spread_over_all_programs():
+    plan = make([32768], hkv=8, g=264, d=128)
+    work, prog_ptr, _ = host_arrays(plan)
+    assert np.all(np.diff(prog_ptr) >= 1)
+
+
+def test_more_programs_than_units():
+    plan = make([10, 0, 3], hkv=1, g=50)
+    work, prog_ptr, seg_ptr = host_arrays(plan)
+    assert plan.num_pieces == 2 and list(np.diff(seg_ptr)) == [1, 0, 1]
+
+
+@pytest.mark.parametrize("bad,err,match", [
+    (dict(seq_lens_cpu=[[1, 2]]), ValueError, "seq_lens_cpu"),
+    (dict(seq_lens_cpu=[-1]), ValueError, "seq_lens_cpu"),
+    (dict(seq_lens_cpu=[1.5]), TypeError, "seq_lens_cpu"),
+    (dict(num_q_heads=6, num_kv_heads=4), ValueError, "heads"),
+    (dict(head_dim=72), ValueError, "head_dim"),
+    (dict(block_size=12), ValueError, "block_size"),
+    (dict(block_size=512), ValueError, "block_size"),
+    (dict(mode="ring"), ValueError, "mode"),
+    (dict(num_programs=0), ValueError, "num_programs"),
+    (dict(num_kv_heads=0), ValueError, "num_kv_heads"),
+])
+def test_bad_arguments(bad, err, match):
+    args = dict(seq_lens_cpu=[5, 6], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, device="cpu")
+    args.update(bad)
+    seq = args.pop("seq_lens_cpu")
+    with pytest.raises(err, match=match):
+        pb.plan_decode(seq, **args)
+
+
+def test_update_rejects_other_batch_size():
+    plan = make([5, 6])
+    with pytest.raises(ValueError, match="seq_lens_cpu"):
+        plan.update([5, 6, 7])
