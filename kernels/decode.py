@@ -18,9 +18,9 @@ from kernels.merge import merge_finish, merge_step
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, work_ptr, prog_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, work_ptr, prog_ptr, seg_ptr, count_ptr,
     out_ptr, lse_ptr, po_ptr, plse_ptr,
-    sm_scale, max_tokens,
+    sm_scale, max_tokens, HKV,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -95,46 +95,34 @@ def _decode_kernel(
             tl.store(po_ptr + slot64 * stride_pop + offs_h[:, None] * stride_poh + offs_d[None, :] * stride_pod,
                      o, mask=o_mask)
             tl.store(plse_ptr + slot64 * stride_plp + offs_h * stride_plh, lse, mask=h_ok)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    seg_ptr, po_ptr, plse_ptr, out_ptr, lse_ptr,
-    HKV,
-    stride_pop, stride_poh, stride_pod,
-    stride_plp, stride_plh,
-    stride_ob, stride_oh, stride_od,
-    stride_lb, stride_lh,
-    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    # One program per (request, kv_head) segment: folds its pieces in piece order.
-    s = tl.program_id(0)
-    lo = tl.load(seg_ptr + s)
-    hi = tl.load(seg_ptr + s + 1)
-    if hi - lo != 1:  # a single piece already wrote the output
-        b = (s // HKV).to(tl.int64)
-        qh = (s % HKV).to(tl.int64) * GROUP + tl.arange(0, BLOCK_H)
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
-        h_ok = offs_h < GROUP
-        mask = h_ok[:, None] & (offs_d[None, :] < D)
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        w_sum = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for p in range(lo, hi):
-            # p < max_pieces, p * stride fits int32: the workspace is a few MB
-            lse = tl.load(plse_ptr + p * stride_plp + offs_h * stride_plh, mask=h_ok, other=float("-inf"))
-            o = tl.load(po_ptr + p * stride_pop + offs_h[:, None] * stride_poh + offs_d[None, :] * stride_pod,
-                        mask=mask, other=0.0)
-            m, w_sum, acc = merge_step(m, w_sum, acc, lse, o)
-        o, lse = merge_finish(m, w_sum, acc)
-        tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                 o.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(lse_ptr + b * stride_lb + qh * stride_lh, lse, mask=h_ok)
+            # Stream-K fix-up: the last piece of a segment to finish merges all of them, in piece
+            # order (so the bits do not depend on which program came last). The barrier and the
+            # acq_rel counter publish this program's partial before the count says it is there.
+            tl.debug_barrier()
+            seg = b * HKV + kvh
+            lo = tl.load(seg_ptr + seg)
+            hi = tl.load(seg_ptr + seg + 1)
+            arrived = tl.atomic_add(count_ptr + seg, 1, sem="acq_rel")
+            if arrived == hi - lo - 1:
+                tl.store(count_ptr + seg, 0)  # ready for the next launch or graph replay
+                m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+                w_sum = tl.zeros([BLOCK_H], tl.float32)
+                acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+                for pp in range(lo, hi):
+                    # .cg: partials written by other SMs during this launch must not come from L1.
+                    p_lse = tl.load(plse_ptr + pp * stride_plp + offs_h * stride_plh, mask=h_ok,
+                                    other=float("-inf"), cache_modifier=".cg")
+                    p_o = tl.load(po_ptr + pp * stride_pop + offs_h[:, None] * stride_poh
+                                  + offs_d[None, :] * stride_pod, mask=o_mask, other=0.0, cache_modifier=".cg")
+                    m, w_sum, acc = merge_step(m, w_sum, acc, p_lse, p_o)
+                o, lse = merge_finish(m, w_sum, acc)
+                tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                         o.to(out_ptr.dtype.element_ty), mask=o_mask)
+                tl.store(lse_ptr + b * stride_lb + qh * stride_lh, lse, mask=h_ok)
 
 
 def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float, out, lse,
-                  num_warps: int = 4, num_stages: int = 2):
+                  num_warps: int = 4, num_stages: int = 2):  # swept on an H200
     """q [B, Hq, D]; caches [NB, BS, Hkv, D]; writes out [B, Hq, D] and lse [B, Hq] (fp32, ln)."""
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -145,19 +133,14 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
     block_d = triton.next_power_of_2(d)
     po, plse = plan.partial_o, plan.partial_lse
     _decode_kernel[(plan.num_programs,)](
-        q, k_cache, v_cache, block_table, seq_lens, plan.work, plan.prog_ptr,
+        q, k_cache, v_cache, block_table, seq_lens, plan.work, plan.prog_ptr, plan.seg_ptr, plan.counters,
         out, lse, po, plse,
-        scale, block_table.shape[1] * bs,
+        scale, block_table.shape[1] * bs, hkv,
         *q.stride(), *k_cache.stride(),
         *v_cache.stride(), *block_table.stride(), *out.stride(), *lse.stride(),
         *po.stride(), *plse.stride(),
         GROUP=group, BS=bs, D=d, BLOCK_H=block_h, BLOCK_N=plan.block_n, BLOCK_D=block_d,
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
-    )
-    _decode_reduce_kernel[(b * hkv,)](
-        plan.seg_ptr, po, plse, out, lse, hkv,
-        *po.stride(), *plse.stride(), *out.stride(), *lse.stride(),
-        GROUP=group, D=d, BLOCK_H=triton.next_power_of_2(group), BLOCK_D=block_d,
     )
 
 

@@ -12,7 +12,8 @@ The plan cuts that line of units into program runs:
 
 The intersections of program runs and segments are *pieces*: a program runs its pieces in order
 and writes one state per piece; a segment of one piece writes the output directly, a segment of
-several is reduced in piece order (deterministic: same inputs, same bits).
+several is reduced in piece order by whichever of its pieces finishes last (deterministic: same
+inputs, same bits).
 
 All of it is numpy on the host, once per step; the result is one host-to-device copy into
 fixed-size buffers, reused by every layer. ``DecodePlan.update`` refills the same buffers with new
@@ -28,16 +29,18 @@ import torch
 from kernels.checks import HEAD_DIMS, check_heads
 from kernels.dispatch import num_sms
 
-# Programs resident per SM for the decode kernel (4 warps, 2-3 pipeline stages); G = SMs x this.
-PROGRAMS_PER_SM = 2
+# Programs resident per SM for the decode kernel (4 warps, 2 pipeline stages, 128-token tiles);
+# G = SMs x this. Swept on an H200 (2026-11-21): 3 beat 1, 2 and 4 on every workload-of-record case.
+PROGRAMS_PER_SM = 3
 # Stream-K keeps whole segments (no split) when that is at most this much slower than an even cut.
 NO_SPLIT_SLACK = 1.15
 WORK_FIELDS = 5  # (request, kv_head, token_start, token_end, partial slot or -1 = write output)
 
 
 def block_n_for(head_dim: int) -> int:
-    """Tokens per KV tile: keeps a K and a V tile of bf16 within a few tens of KB of shared memory."""
-    return 32 if head_dim > 128 else 64
+    """Tokens per KV tile (a work unit): 128 for D <= 128 (best of 32/64/128 on an H200), halved
+    for D = 256 so two pipeline stages of K and V still fit in shared memory."""
+    return 64 if head_dim > 128 else 128
 
 
 def _as_host_lens(seq_lens_cpu) -> np.ndarray:
@@ -84,8 +87,9 @@ class DecodePlan:
 
     Device buffers (fixed size ``max_pieces`` so a CUDA graph can replay with new lengths):
     ``work [max_pieces, 5] int32``, ``prog_ptr [G + 1] int32``, ``seg_ptr [B * Hkv + 1] int32``,
-    and the fp32 workspace for partial states ``partial_o [max_pieces, group, D]``,
-    ``partial_lse [max_pieces, group]``.
+    the fp32 workspace for partial states ``partial_o [max_pieces, group, D]``,
+    ``partial_lse [max_pieces, group]``, and ``counters [B * Hkv] int32`` (pieces of a segment
+    finished so far; zero between launches).
     """
     batch_size: int
     num_q_heads: int
@@ -101,6 +105,7 @@ class DecodePlan:
     buffers: torch.Tensor = field(default=None, repr=False)
     partial_o: torch.Tensor = field(default=None, repr=False)
     partial_lse: torch.Tensor = field(default=None, repr=False)
+    counters: torch.Tensor = field(default=None, repr=False)
 
     @property
     def num_programs(self) -> int:
@@ -142,6 +147,7 @@ class DecodePlan:
             self.partial_o = torch.empty(self.max_pieces, group, self.head_dim, dtype=torch.float32,
                                          device=self.device)
             self.partial_lse = torch.empty(self.max_pieces, group, dtype=torch.float32, device=self.device)
+            self.counters = torch.zeros(self.batch_size * self.num_kv_heads, dtype=torch.int32, device=self.device)
         src = torch.from_numpy(host)
         if self.device.type == "cuda":
             src = src.pin_memory()
@@ -152,7 +158,8 @@ class DecodePlan:
         """Packs ``work | prog_ptr | seg_ptr`` into one int32 host array."""
         hkv, bn = self.num_kv_heads, self.block_n
         seg_tokens = np.repeat(lens, hkv)  # [S], S = B * Hkv
-        seg_units = -(-seg_tokens // bn)
+        # An empty segment still gets one (empty) piece, which writes o = 0, lse = -inf.
+        seg_units = np.maximum(-(-seg_tokens // bn), 1)
         seg_bounds = np.concatenate([[0], np.cumsum(seg_units)])
         prog_bounds = _program_bounds(seg_units, self.mode, self.target_programs)
         cuts = np.union1d(prog_bounds, seg_bounds)
@@ -175,9 +182,11 @@ class DecodePlan:
 
 
 def plan_decode(seq_lens_cpu, *, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                device=None, mode: str = "stream_k", num_programs: int | None = None) -> DecodePlan:
+                device=None, mode: str = "stream_k", num_programs: int | None = None,
+                block_n: int | None = None) -> DecodePlan:
     """Partition one decode step. ``seq_lens_cpu [B]`` host lengths (tokens in cache, current one
-    included). ``num_programs`` overrides ``G`` (default: SMs x programs per SM). Reuse the plan for
+    included). ``num_programs`` overrides ``G`` (default: SMs x programs per SM) and ``block_n`` the
+    tokens per work unit (a power of two >= 16; default by head dim). Reuse the plan for
     every layer of the step; call ``plan.update(new_lens)`` next step to keep the same buffers."""
     lens = _as_host_lens(seq_lens_cpu)
     for name, val in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
@@ -192,11 +201,18 @@ def plan_decode(seq_lens_cpu, *, num_q_heads: int, num_kv_heads: int, head_dim: 
     if mode not in ("stream_k", "split"):
         raise ValueError(f"mode must be 'stream_k' or 'split', got {mode!r}")
     device = torch.device("cuda" if device is None and torch.cuda.is_available() else (device or "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if block_n is None:
+        block_n = block_n_for(head_dim)
+    elif isinstance(block_n, bool) or not isinstance(block_n, (int, np.integer)) or block_n < 16 \
+            or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")
     if num_programs is None:
         num_programs = num_sms(device) * PROGRAMS_PER_SM
     elif isinstance(num_programs, bool) or not isinstance(num_programs, (int, np.integer)) or num_programs < 1:
         raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")
     plan = DecodePlan(batch_size=lens.size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                      head_dim=head_dim, block_size=block_size, block_n=block_n_for(head_dim),
+                      head_dim=head_dim, block_size=block_size, block_n=int(block_n),
                       target_programs=int(num_programs), mode=mode, device=device, seq_lens_host=lens)
     return plan.update(lens)

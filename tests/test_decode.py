@@ -19,7 +19,7 @@ def run_case(seq_lens, hq, hkv, d, bs, dtype, layout="nhd", q_scale=1.0, plan_mo
     plan = None
     if plan_mode is not None:
         plan = pb.plan_decode(sl, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device="cpu",
-                              mode=plan_mode, num_programs=num_programs)
+                              mode=plan_mode, num_programs=num_programs, block_n=16)
     out, lse = pb.paged_decode(q, k, v, bt, sl, scale=scale, plan=plan)
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == q.shape[:2] and lse.dtype == torch.float32
@@ -87,7 +87,7 @@ def test_ragged_mix_one_token_next_to_long():
 def test_deterministic_bits():
     q, k, v, bt, sl = make_decode_inputs([90, 33, 129], 8, 2, 64, 16, torch.float32)
     plan = pb.plan_decode(sl, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",
-                          num_programs=5)
+                          num_programs=5, block_n=16)
     first = pb.paged_decode(q, k, v, bt, sl, plan=plan)
     for _ in range(2):
         again = pb.paged_decode(q, k, v, bt, sl, plan=plan)
@@ -127,3 +127,37 @@ def test_gpu_large(dtype, mode):
     out, lse = pb.paged_decode(q, k, v, bt, sl, plan=plan)
     ref_o, ref_lse = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu())
     assert_close_state(out, lse, ref_o, ref_lse, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_deterministic_under_stream_k():
+    lens = [70000, 3, 20000]
+    q, k, v, bt, sl = make_decode_inputs(lens, 32, 8, 128, 16, torch.bfloat16, device="cuda")
+    plan = pb.plan_decode(lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda")
+    first = pb.paged_decode(q, k, v, bt, sl, plan=plan)
+    for _ in range(20):
+        again = pb.paged_decode(q, k, v, bt, sl, plan=plan)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cuda_graph_replays_with_new_lengths():
+    lens = [5000, 17, 300, 70000]
+    q, k, v, bt, sl = make_decode_inputs(lens, 32, 8, 128, 16, torch.bfloat16, device="cuda")
+    plan = pb.plan_decode(lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        pb.paged_decode(q, k, v, bt, sl, plan=plan)  # compile outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = pb.paged_decode(q, k, v, bt, sl, plan=plan)
+    for new in ([70000, 1, 4000, 0], [1, 1, 1, 1], [5000, 17, 300, 70000]):
+        sl.copy_(torch.tensor(new, dtype=torch.int32))
+        plan.update(new)
+        graph.replay()
+        ref_o, ref_lse = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu())
+        assert_close_state(out, lse, ref_o, ref_lse, torch.bfloat16)

@@ -16,16 +16,16 @@ def host_arrays(plan):
     return work[:plan.num_pieces], prog_ptr, seg_ptr
 
 
-def make(lens, hkv=2, mode="stream_k", g=8, d=64):
+def make(lens, hkv=2, mode="stream_k", g=8, d=64, block_n=None):
     return pb.plan_decode(np.asarray(lens), num_q_heads=2 * hkv, num_kv_heads=hkv, head_dim=d, block_size=16,
-                          device="cpu", mode=mode, num_programs=g)
+                          device="cpu", mode=mode, num_programs=g, block_n=block_n)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(lens=st.lists(st.integers(0, 3000), min_size=1, max_size=12), hkv=st.sampled_from([1, 2, 8]),
        mode=st.sampled_from(["stream_k", "split"]), g=st.integers(1, 300))
 def test_every_token_covered_exactly_once(lens, hkv, mode, g):
-    plan = make(lens, hkv, mode, g)
+    plan = make(lens, hkv, mode, g, block_n=16)
     work, prog_ptr, seg_ptr = host_arrays(plan)
     bn = plan.block_n
     assert prog_ptr[0] == 0 and prog_ptr[-1] == plan.num_pieces and np.all(np.diff(prog_ptr) >= 0)
@@ -38,7 +38,11 @@ def test_every_token_covered_exactly_once(lens, hkv, mode, g):
         edges = np.concatenate([[0], pieces[:, 3]]) if len(pieces) else np.array([0])
         assert np.array_equal(pieces[:, 2], edges[:-1])
         assert edges[-1] == lens[b]
-        assert np.all(pieces[:, 2] % bn == 0) and np.all(pieces[:, 3] > pieces[:, 2])
+        assert np.all(pieces[:, 2] % bn == 0)
+        if lens[b] == 0:  # one empty piece, so the output is still written (o = 0, lse = -inf)
+            assert len(pieces) == 1 and pieces[0, 3] == 0
+        else:
+            assert np.all(pieces[:, 3] > pieces[:, 2])
         # One piece writes the output; several write distinct workspace slots reduced in order.
         if len(pieces) == 1:
             assert pieces[0, 4] == -1
@@ -50,7 +54,7 @@ def test_every_token_covered_exactly_once(lens, hkv, mode, g):
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(lens=st.lists(st.integers(1, 5000), min_size=1, max_size=10), g=st.integers(1, 200))
 def test_stream_k_runs_differ_by_at_most_one_unit(lens, g):
-    plan = make(lens, 2, "stream_k", g)
+    plan = make(lens, 2, "stream_k", g, block_n=32)
     work, prog_ptr, _ = host_arrays(plan)
     units = -(-(work[:, 3] - work[:, 2]) // plan.block_n)
     per_prog = np.array([units[prog_ptr[i]:prog_ptr[i + 1]].sum() for i in range(g)])
@@ -75,7 +79,8 @@ def test_long_request_is_spread_over_all_programs():
 def test_more_programs_than_units():
     plan = make([10, 0, 3], hkv=1, g=50)
     work, prog_ptr, seg_ptr = host_arrays(plan)
-    assert plan.num_pieces == 2 and list(np.diff(seg_ptr)) == [1, 0, 1]
+    assert plan.num_pieces == 3 and list(np.diff(seg_ptr)) == [1, 1, 1]
+    assert list(work[:, 3]) == [10, 0, 3] and np.all(work[:, 4] == -1)
 
 
 @pytest.mark.parametrize("bad,err,match", [
@@ -89,6 +94,7 @@ def test_more_programs_than_units():
     (dict(mode="ring"), ValueError, "mode"),
     (dict(num_programs=0), ValueError, "num_programs"),
     (dict(num_kv_heads=0), ValueError, "num_kv_heads"),
+    (dict(block_n=48), ValueError, "block_n"),
 ])
 def test_bad_arguments(bad, err, match):
     args = dict(seq_lens_cpu=[5, 6], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, device="cpu")
