@@ -57,13 +57,20 @@ def _decode_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        bt_row = bt_ptr + b * stride_btb
+        tok = start + offs_n
+        page = tl.load(bt_row + (tok // BS) * stride_btn, mask=tok < end, other=0)
         for n0 in range(start, end, BLOCK_N):
             tok = n0 + offs_n
             t_ok = tok < end
-            page = tl.load(bt_ptr + b * stride_btb + (tok // BS) * stride_btn, mask=t_ok, other=0).to(tl.int64)
+            # Fetch the next tile's page ids now, so the K/V loads of the next iteration do not
+            # wait on a dependent block-table load.
+            nxt = tok + BLOCK_N
+            page_next = tl.load(bt_row + (nxt // BS) * stride_btn, mask=nxt < end, other=0)
             row = (tok % BS).to(tl.int64)
+            page64 = page.to(tl.int64)
             kv_mask = t_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + (page * stride_kb + row * stride_ks + kvh * stride_kh)[:, None]
+            k = tl.load(k_ptr + (page64 * stride_kb + row * stride_ks + kvh * stride_kh)[:, None]
                         + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -75,13 +82,14 @@ def _decode_kernel(
             alpha = tl.exp2(m_i - m_new)
             pr = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(pr, 1)
-            v = tl.load(v_ptr + (page * stride_vb + row * stride_vs + kvh * stride_vh)[:, None]
+            v = tl.load(v_ptr + (page64 * stride_vb + row * stride_vs + kvh * stride_vh)[:, None]
                         + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
             m_i = m_new
+            page = page_next
         empty = l_i == 0.0
         o = acc / tl.where(empty, 1.0, l_i)[:, None]
         lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)

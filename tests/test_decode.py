@@ -144,8 +144,9 @@ def test_gpu_deterministic_under_stream_k():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_graph_replays_with_new_lengths():
+    q, k, v, bt, sl = make_decode_inputs([70000] * 4, 32, 8, 128, 16, torch.bfloat16, device="cuda")
     lens = [5000, 17, 300, 70000]
-    q, k, v, bt, sl = make_decode_inputs(lens, 32, 8, 128, 16, torch.bfloat16, device="cuda")
+    sl.copy_(torch.tensor(lens, dtype=torch.int32))
     plan = pb.plan_decode(lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
