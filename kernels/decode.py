@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.merge import merge_finish, merge_step
+from kernels.merge import merge_finish
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def _decode_kernel(
     stride_plp, stride_plh,
     GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IEEE: tl.constexpr,
+    BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr,
 ):
     g = tl.program_id(0)
     p_lo = tl.load(prog_ptr + g)
@@ -113,31 +113,60 @@ def _decode_kernel(
             arrived = tl.atomic_add(count_ptr + seg, 1, sem="acq_rel")
             if arrived == hi - lo - 1:
                 tl.store(count_ptr + seg, 0)  # ready for the next launch or graph replay
-                m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-                w_sum = tl.zeros([BLOCK_H], tl.float32)
-                acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-                for pp in range(lo, hi):
-                    # .cg: partials written by other SMs during this launch must not come from L1.
-                    p_lse = tl.load(plse_ptr + pp * stride_plp + offs_h * stride_plh, mask=h_ok,
-                                    other=float("-inf"), cache_modifier=".cg")
-                    p_o = tl.load(po_ptr + pp * stride_pop + offs_h[:, None] * stride_poh
-                                  + offs_d[None, :] * stride_pod, mask=o_mask, other=0.0, cache_modifier=".cg")
-                    m, w_sum, acc = merge_step(m, w_sum, acc, p_lse, p_o)
-                o, lse = merge_finish(m, w_sum, acc)
-                tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                         o.to(out_ptr.dtype.element_ty), mask=o_mask)
-                tl.store(lse_ptr + b * stride_lb + qh * stride_lh, lse, mask=h_ok)
+                _merge_pieces(po_ptr, plse_ptr, out_ptr + b * stride_ob, lse_ptr + b * stride_lb, lo, hi,
+                              kvh * GROUP, stride_pop, stride_poh, stride_pod, stride_plp, stride_plh,
+                              stride_oh, stride_od, stride_lh, GROUP, D, BLOCK_G, BLOCK_D, CHUNK)
+
+
+@triton.jit
+def _merge_pieces(po_ptr, plse_ptr, out_ptr, lse_ptr, lo, hi, h0,
+                  stride_pop, stride_poh, stride_pod, stride_plp, stride_plh, stride_oh, stride_od, stride_lh,
+                  GROUP: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """Merges partial states ``lo..hi`` (in order) into heads ``h0..h0+GROUP`` of one request.
+    CHUNK pieces are loaded at once, so a segment of many pieces costs a few memory round trips,
+    not one per piece."""
+    offs_c = tl.arange(0, CHUNK)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < GROUP
+    gd_ok = g_ok[:, None] & (offs_d[None, :] < D)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    w_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for c0 in range(lo, hi, CHUNK):
+        pc = c0 + offs_c
+        c_ok = pc < hi
+        # .cg: partials written by other SMs during this launch must not come from L1.
+        lse = tl.load(plse_ptr + pc[:, None] * stride_plp + offs_g[None, :] * stride_plh,
+                      mask=c_ok[:, None] & g_ok[None, :], other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(po_ptr + pc[:, None, None] * stride_pop + offs_g[None, :, None] * stride_poh
+                    + offs_d[None, None, :] * stride_pod, mask=c_ok[:, None, None] & gd_ok[None, :, :],
+                    other=0.0, cache_modifier=".cg")  # [CHUNK, BLOCK_G, BLOCK_D]
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: exp(-inf) = 0
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse - m_safe[None, :])  # [CHUNK, BLOCK_G]
+        w_sum = w_sum * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
+        m = m_new
+    o, lse = merge_finish(m, w_sum, acc)
+    h = h0 + offs_g
+    tl.store(out_ptr + h[:, None] * stride_oh + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty),
+             mask=gd_ok)
+    tl.store(lse_ptr + h * stride_lh, lse, mask=g_ok)
 
 
 def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float, out, lse,
-                  num_warps: int = 4, num_stages: int = 2):  # swept on an H200
+                  num_warps: int = 4, num_stages: int = 3):  # swept on an H200
     """q [B, Hq, D]; caches [NB, BS, Hkv, D]; writes out [B, Hq, D] and lse [B, Hq] (fp32, ln)."""
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     if b == 0:
         return
-    block_h = max(16, triton.next_power_of_2(group))
+    block_g = triton.next_power_of_2(group)
+    block_h = max(16, block_g)  # tl.dot needs M >= 16
     block_d = triton.next_power_of_2(d)
     po, plse = plan.partial_o, plan.partial_lse
     _decode_kernel[(plan.num_programs,)](
@@ -148,7 +177,7 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
         *v_cache.stride(), *block_table.stride(), *out.stride(), *lse.stride(),
         *po.stride(), *plse.stride(),
         GROUP=group, BS=bs, D=d, BLOCK_H=block_h, BLOCK_N=plan.block_n, BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_G=block_g, CHUNK=max(2, min(16, 8192 // (block_g * block_d))), IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
 
 

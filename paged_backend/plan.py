@@ -29,18 +29,19 @@ import torch
 from kernels.checks import HEAD_DIMS, check_heads
 from kernels.dispatch import num_sms
 
-# Programs resident per SM for the decode kernel (4 warps, 2 pipeline stages, 128-token tiles);
-# G = SMs x this. Swept on an H200 (2026-11-21): 3 beat 1, 2 and 4 on every workload-of-record case.
-PROGRAMS_PER_SM = 3
+# Programs per SM for the decode kernel (4 warps, 3 pipeline stages, 64-token tiles); G = SMs x this.
+# Swept on an H200 (2026-11-21) with 1-6 programs per SM and 32/64/128-token tiles: 2 x 64 was best
+# or within 2% of best on every workload-of-record case.
+PROGRAMS_PER_SM = 2
 # Stream-K keeps whole segments (no split) when that is at most this much slower than an even cut.
 NO_SPLIT_SLACK = 1.15
 WORK_FIELDS = 5  # (request, kv_head, token_start, token_end, partial slot or -1 = write output)
 
 
 def block_n_for(head_dim: int) -> int:
-    """Tokens per KV tile (a work unit): 128 for D <= 128 (best of 32/64/128 on an H200), halved
-    for D = 256 so two pipeline stages of K and V still fit in shared memory."""
-    return 64 if head_dim > 128 else 128
+    """Tokens per KV tile (a work unit): 64 for D <= 128 (see PROGRAMS_PER_SM), halved for D = 256
+    so three pipeline stages of K and V still fit in shared memory."""
+    return 32 if head_dim > 128 else 64
 
 
 def _as_host_lens(seq_lens_cpu) -> np.ndarray:

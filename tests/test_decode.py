@@ -80,6 +80,11 @@ def test_any_plan_is_exact(mode, num_programs):
     run_case([1, 130, 0, 64, 65], 8, 2, 64, 4, torch.float32, plan_mode=mode, num_programs=num_programs)
 
 
+def test_many_pieces_per_segment():
+    # 63 pieces per segment: the fix-up merges them in several chunks.
+    run_case([1000, 2], 4, 1, 64, 16, torch.float32, plan_mode="stream_k", num_programs=100)
+
+
 def test_ragged_mix_one_token_next_to_long():
     run_case([1, 600, 1, 1], 4, 2, 64, 16, torch.float32, plan_mode="stream_k", num_programs=5)
 
