@@ -31,7 +31,7 @@ def _decode_kernel(
     stride_plp, stride_plh,
     GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, FIXUP: tl.constexpr, IEEE: tl.constexpr,
 ):
     g = tl.program_id(0)
     p_lo = tl.load(prog_ptr + g)
@@ -103,6 +103,7 @@ def _decode_kernel(
             tl.store(po_ptr + slot64 * stride_pop + offs_h[:, None] * stride_poh + offs_d[None, :] * stride_pod,
                      o, mask=o_mask)
             tl.store(plse_ptr + slot64 * stride_plp + offs_h * stride_plh, lse, mask=h_ok)
+        if FIXUP and slot >= 0:
             # Stream-K fix-up: the last piece of a segment to finish merges all of them, in piece
             # order (so the bits do not depend on which program came last). The barrier and the
             # acq_rel counter publish this program's partial before the count says it is there.
@@ -157,28 +158,40 @@ def _merge_pieces(po_ptr, plse_ptr, out_ptr, lse_ptr, lo, hi, h0,
     tl.store(lse_ptr + h * stride_lh, lse, mask=g_ok)
 
 
-def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float, out, lse,
-                  num_warps: int = 4, num_stages: int = 3):  # swept on an H200
-    """q [B, Hq, D]; caches [NB, BS, Hkv, D]; writes out [B, Hq, D] and lse [B, Hq] (fp32, ln)."""
-    b, hq, d = q.shape
+def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, partial_lse, work, prog_ptr,
+               num_programs: int, block_n: int, scale: float, seg_ptr=None, counters=None,
+               num_warps: int = 4, num_stages: int = 3):  # swept on an H200
+    """Launches ``num_programs`` programs over decode pieces ``work [P, 5] int32`` (request, kv_head,
+    token_start, token_end, slot). A piece with slot < 0 writes ``out``/``lse`` rows; one with a
+    slot writes ``partial_o [P, group, D]``/``partial_lse [P, group]`` fp32. With ``seg_ptr`` and
+    ``counters`` given, split segments are also merged into ``out``/``lse`` in this launch."""
+    hq, d = q.shape[1], q.shape[2]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    if b == 0:
-        return
     block_g = triton.next_power_of_2(group)
-    block_h = max(16, block_g)  # tl.dot needs M >= 16
     block_d = triton.next_power_of_2(d)
-    po, plse = plan.partial_o, plan.partial_lse
-    _decode_kernel[(plan.num_programs,)](
-        q, k_cache, v_cache, block_table, seq_lens, plan.work, plan.prog_ptr, plan.seg_ptr, plan.counters,
-        out, lse, po, plse,
+    fixup = seg_ptr is not None
+    if not fixup:
+        seg_ptr = counters = prog_ptr  # never read without FIXUP
+    _decode_kernel[(num_programs,)](
+        q, k_cache, v_cache, block_table, seq_lens, work, prog_ptr, seg_ptr, counters,
+        out, lse, partial_o, partial_lse,
         scale, block_table.shape[1] * bs, hkv,
-        *q.stride(), *k_cache.stride(),
-        *v_cache.stride(), *block_table.stride(), *out.stride(), *lse.stride(),
-        *po.stride(), *plse.stride(),
-        GROUP=group, BS=bs, D=d, BLOCK_H=block_h, BLOCK_N=plan.block_n, BLOCK_D=block_d,
-        BLOCK_G=block_g, CHUNK=max(2, min(16, 8192 // (block_g * block_d))), IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(), *lse.stride(),
+        *partial_o.stride(), *partial_lse.stride(),
+        GROUP=group, BS=bs, D=d, BLOCK_H=max(16, block_g), BLOCK_N=block_n, BLOCK_D=block_d,  # dot: M >= 16
+        BLOCK_G=block_g, CHUNK=max(2, min(16, 8192 // (block_g * block_d))), FIXUP=fixup,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
+
+
+def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float, out, lse, **launch):
+    """q [B, Hq, D]; caches [NB, BS, Hkv, D]; writes out [B, Hq, D] and lse [B, Hq] (fp32, ln)."""
+    if q.shape[0] == 0:
+        return
+    run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan.partial_o, plan.partial_lse,
+               plan.work, plan.prog_ptr, plan.num_programs, plan.block_n, scale,
+               seg_ptr=plan.seg_ptr, counters=plan.counters, **launch)
 
 
 def decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float, out, lse):

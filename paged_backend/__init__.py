@@ -6,7 +6,8 @@ from paged_backend.cache import write_kv
 from paged_backend.decode import paged_decode
 from paged_backend.merge import merge_states, merge_states_many
 from paged_backend.plan import DecodePlan, plan_decode
+from paged_backend.cascade import CascadePlan, cascade_decode, plan_cascade
 from paged_backend.prefill import paged_prefill
 
 __all__ = ["write_kv", "paged_decode", "plan_decode", "DecodePlan", "paged_prefill", "merge_states",
-           "merge_states_many"]
+           "merge_states_many", "CascadePlan", "cascade_decode", "plan_cascade"]

@@ -1,0 +1,275 @@
+"""Shared benchmark helpers: timing, copy bandwidth, paged inputs, dense reference, result files.
+
+Every benchmark script imports this module (``benchmarks/`` is on ``sys.path`` when a script in it
+runs). Times are microseconds, medians of ``triton.testing.do_bench`` on CUDA (which also clears
+the L2 before each timed call) and of ``time.perf_counter`` loops on the CPU.
+"""
+from __future__ import annotations
+
+import datetime
+import inspect
+import itertools
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+MB = 1e6
+ROTATE_BELOW = 200 * MB  # an input set smaller than this is rotated with copies of itself ...
+ROTATE_TOTAL = 256 * MB  # ... until the copies together span this many bytes (L2: 50 MB)
+MAX_SETS = 16
+
+
+# ----------------------------------------------------------------------------- timing
+def time_us(fn, device, warmup_ms: int = 50, rep_ms: int = 200, cpu_reps: int = 3) -> float:
+    """Median time of ``fn()`` in microseconds."""
+    if torch.device(device).type == "cuda":
+        import triton.testing
+        bench = triton.testing.do_bench
+        params = inspect.signature(bench).parameters
+        if "return_mode" in params:
+            ms = bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        else:  # older Triton: quantiles only
+            ms = bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5])
+        if isinstance(ms, (list, tuple)):
+            ms = ms[0]
+        return float(ms) * 1e3
+    fn()
+    times = []
+    for _ in range(cpu_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2] * 1e6
+
+
+def host_time_us(fn, calls: int = 200) -> float:
+    """Median wall time of a host-side call (no GPU sync), microseconds."""
+    fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2] * 1e6
+
+
+def rotate(fns):
+    """One callable that runs the next of ``fns`` on each call (input sets rotated past the L2)."""
+    if len(fns) == 1:
+        return fns[0]
+    it = itertools.cycle(fns)
+    return lambda: next(it)()
+
+
+def copy_bandwidth(device, nbytes: int | None = None) -> float:
+    """Device-to-device copy GB/s, read + write counted (2 x buffer bytes per copy)."""
+    device = torch.device(device)
+    if nbytes is None:
+        nbytes = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src), device, cpu_reps=5)
+    del src, dst
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+# ----------------------------------------------------------------------------- inputs
+@dataclass
+class PagedInputs:
+    """Shared metadata plus ``n`` sets of (q, k_cache, v_cache) with identical shapes.
+
+    All sets use the same shuffled ``block_table`` (so one plan serves them all); only the data
+    buffers differ, which is what keeps the L2 from holding them between timed calls.
+    """
+    lens: list
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+    block_table: torch.Tensor  # [B, max_blocks] int32, pages shuffled
+    seq_lens: torch.Tensor  # [B] int32 on device
+    sets: list = field(default_factory=list)  # [(q [B, Hq, D], k [NB, BS, Hkv, D], v)]
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV bytes that must be read at least once: sum(len) * Hkv * D * 2 (K and V) * elt."""
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        return sum(self.lens) * self.num_kv_heads * self.head_dim * 2 * elt
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+def make_paged_inputs(lens, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype,
+                      device, seed: int = 0, rotate_sets: bool = True) -> PagedInputs:
+    device = torch.device(device)
+    lens = [int(n) for n in lens]
+    need = [-(-n // block_size) for n in lens]
+    nb = sum(need) + 1  # one spare block: unused table entries point at it
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    perm = torch.randperm(nb, generator=gen).to(torch.int32)
+    cols = max(need + [1])
+    table = torch.full((len(lens), cols), int(perm[-1]), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[at:at + n]
+        at += n
+    elt = torch.empty((), dtype=dtype).element_size()
+    set_bytes = 2 * nb * block_size * num_kv_heads * head_dim * elt
+    n_sets = 1
+    if rotate_sets and device.type == "cuda" and set_bytes < ROTATE_BELOW:
+        n_sets = max(1, min(MAX_SETS, math.ceil(ROTATE_TOTAL / set_bytes)))
+    inp = PagedInputs(lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device,
+                      table.to(device), torch.tensor(lens, dtype=torch.int32, device=device))
+    torch.manual_seed(seed)
+    shape = (nb, block_size, num_kv_heads, head_dim)
+    for _ in range(n_sets):
+        q = torch.randn(len(lens), num_q_heads, head_dim, device=device).to(dtype)
+        k = torch.randn(shape, dtype=dtype, device=device)
+        v = torch.randn(shape, dtype=dtype, device=device)
+        inp.sets.append((q, k, v))
+    return inp
+
+
+def gather_request(cache: torch.Tensor, block_table: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """Dense ``[n, Hkv, D]`` rows of request ``b`` from a ``[NB, BS, Hkv, D]`` cache."""
+    bs = cache.shape[1]
+    pos = torch.arange(n, device=cache.device)
+    pages = block_table[b].long()[pos // bs]
+    return cache[pages, pos % bs]
+
+
+def check_rows(lens) -> list:
+    """Requests checked against the reference: first, middle, last and the longest."""
+    b = len(lens)
+    return sorted({0, b // 2, b - 1, max(range(b), key=lambda i: lens[i])})
+
+
+def reference(inp: PagedInputs, rows, scale: float | None = None):
+    """fp64 dense attention of set 0 on ``rows`` -> (o [R, Hq, D], lse [R, Hq], natural log)."""
+    q, k_cache, v_cache = inp.sets[0]
+    d, hkv, g = inp.head_dim, inp.num_kv_heads, inp.group
+    scale = d ** -0.5 if scale is None else scale
+    outs, lses = [], []
+    for b in rows:
+        n = inp.lens[b]
+        k = gather_request(k_cache, inp.block_table, b, n).double()
+        v = gather_request(v_cache, inp.block_table, b, n).double()
+        qb = q[b].double().view(hkv, g, d)
+        s = torch.einsum("hgd,nhd->hgn", qb, k) * scale
+        lse = torch.logsumexp(s, dim=-1)
+        o = torch.einsum("hgn,nhd->hgd", torch.exp(s - lse[..., None]), v)
+        outs.append(o.reshape(hkv * g, d))
+        lses.append(lse.reshape(hkv * g))
+        del k, v, s
+    return torch.stack(outs), torch.stack(lses)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    den = ref.norm().item()
+    num = (out - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+def free_memory():
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- environment
+def gpu_name(device=None) -> str:
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def gpu_slug(device=None) -> str:
+    """Short file-name tag: 'h100', 'h200', 'a100', ..., or 'cpu'."""
+    if not (torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")):
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    m = re.search(r"\b([abhlgt]\d{2,3}|rtx\s*\d{4}|mi\d{3}x?)\b", name)
+    return re.sub(r"\W+", "", m.group(1)) if m else re.sub(r"\W+", "_", name).strip("_")
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("triton", "flashinfer", "xformers"):
+        m = sys.modules.get(mod)
+        if m is None and mod == "triton":
+            import triton as m
+        if m is not None:
+            out[mod] = getattr(m, "__version__", "?")
+    out["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "0")
+    return out
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+# ----------------------------------------------------------------------------- result files
+def write_json(path: str, bench: str, payload: dict) -> None:
+    """Merge ``payload`` as ``benchmarks[bench]`` into the JSON file at ``path``."""
+    data = {}
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            data = {}
+    data.setdefault("benchmarks", {})[bench] = payload
+    data["updated"] = now()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=False, default=str)
+    os.replace(tmp, path)
+
+
+def md_table(header, rows) -> str:
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_md_section(path: str, bench: str, text: str, title: str = "Benchmark results") -> None:
+    """Replace (or append) the section of ``bench`` between marker comments in ``path``."""
+    begin, end = f"<!-- begin {bench} -->", f"<!-- end {bench} -->"
+    doc = f"# {title}\n\n"
+    if os.path.exists(path):
+        with open(path) as f:
+            doc = f.read()
+    block = f"{begin}\n{text.rstrip()}\n{end}"
+    if begin in doc and end in doc:
+        pre, rest = doc.split(begin, 1)
+        doc = pre + block + rest.split(end, 1)[1]
+    else:
+        doc = doc.rstrip() + "\n\n" + block + "\n"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(doc)
+
+
+def short_error(e: BaseException, limit: int = 300) -> str:
+    msg = f"{type(e).__name__}: {e}".replace("\n", " ")
+    return msg if len(msg) <= limit else msg[:limit] + "..."

@@ -1,0 +1,228 @@
+"""Cascade (shared-prefix) decode kernels.
+
+Three launches, all with grids fixed by the plan:
+
+1. ``_cascade_node_kernel``: a piece = (node, kv_head, row block, token range). Rows are
+   (request in node, query head of the KV group) pairs - ``MPB`` requests x ``GP`` (group padded to a
+   power of two) = ``BLOCK_M`` rows - so the node's K/V tiles are read once for all its requests and
+   attended with tensor-core ``tl.dot`` (a real GEMM). Pages come from the block-table row of one
+   member (the ids are identical by construction). Node token ranges are laid end to end and cut
+   stream-K over persistent programs; every piece writes one fp32 partial state per request.
+2. ``_decode_kernel`` (kernels/decode.py) runs the private tails as decode pieces, stream-K, each
+   writing a partial slot.
+3. ``_cascade_merge_kernel``: per (request, kv_head), folds its partial slots in the plan's fixed
+   order (parents first, tail last) into ``out``/``lse``. Deterministic; an empty list gives o = 0,
+   lse = -inf.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.decode import run_pieces
+from kernels.merge import merge_finish, merge_step
+
+
+@triton.jit
+def _cascade_node_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, members_ptr, work_ptr, prog_ptr, po_ptr, plse_ptr,
+    sm_scale,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_btb, stride_btn,
+    stride_pop, stride_poh, stride_pod,
+    stride_plp, stride_plh,
+    GROUP: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+):
+    g = tl.program_id(0)
+    p_lo = tl.load(prog_ptr + g)
+    p_hi = tl.load(prog_ptr + g + 1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mem = offs_m // GP  # request of the row within the row block
+    hh = offs_m % GP    # query head within the KV group
+    d_ok = offs_d < D
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+    for p in range(p_lo, p_hi):
+        w = work_ptr + p * 7  # (rep request, kv_head, member base, members, token_start, token_end, slot base)
+        rep = tl.load(w).to(tl.int64)
+        kvh = tl.load(w + 1).to(tl.int64)
+        mbase = tl.load(w + 2)
+        n_in = tl.load(w + 3)
+        start = tl.load(w + 4)
+        end = tl.load(w + 5)
+        slot_base = tl.load(w + 6)
+        m_ok = mem < n_in
+        row_ok = m_ok & (hh < GROUP)
+        req = tl.load(members_ptr + mbase + mem, mask=m_ok, other=0).to(tl.int64)
+        qh = kvh * GROUP + hh
+        q = tl.load(q_ptr + req[:, None] * stride_qb + qh[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            tok = n0 + offs_n
+            t_ok = tok < end
+            page = tl.load(bt_ptr + rep * stride_btb + (tok // BS) * stride_btn, mask=t_ok, other=0).to(tl.int64)
+            row = (tok % BS).to(tl.int64)
+            kv_mask = t_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + (page * stride_kb + row * stride_ks + kvh * stride_kh)[:, None]
+                        + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            pr = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            v = tl.load(v_ptr + (page * stride_vb + row * stride_vs + kvh * stride_vh)[:, None]
+                        + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+            m_i = m_new
+        empty = l_i == 0.0
+        o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        slot = (slot_base + mem).to(tl.int64)
+        tl.store(po_ptr + slot[:, None] * stride_pop + hh[:, None] * stride_poh + offs_d[None, :] * stride_pod,
+                 o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(plse_ptr + slot * stride_plp + hh * stride_plh, lse, mask=row_ok)
+
+
+@triton.jit
+def _cascade_merge_kernel(
+    req_ptr, slots_ptr, po_ptr, plse_ptr, out_ptr, lse_ptr,
+    HKV,
+    stride_pop, stride_poh, stride_pod,
+    stride_plp, stride_plh,
+    stride_ob, stride_oh, stride_od,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per (request, kv_head): folds its partial slots in list order.
+    s = tl.program_id(0)
+    lo = tl.load(req_ptr + s)
+    hi = tl.load(req_ptr + s + 1)
+    b = (s // HKV).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    qh = (s % HKV).to(tl.int64) * GROUP + offs_h
+    h_ok = offs_h < GROUP
+    mask = h_ok[:, None] & (offs_d[None, :] < D)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    w_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for i in range(lo, hi):
+        slot = tl.load(slots_ptr + i).to(tl.int64)
+        lse = tl.load(plse_ptr + slot * stride_plp + offs_h * stride_plh, mask=h_ok, other=float("-inf"))
+        o = tl.load(po_ptr + slot * stride_pop + offs_h[:, None] * stride_poh + offs_d[None, :] * stride_pod,
+                    mask=mask, other=0.0)
+        m, w_sum, acc = merge_step(m, w_sum, acc, lse, o)
+    o, lse = merge_finish(m, w_sum, acc)
+    tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + b * stride_lb + qh * stride_lh, lse, mask=h_ok)
+
+
+def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
+    """q [B, Hq, D]; caches [NB, BS, Hkv, D]; a non-flat CascadePlan; writes out [B, Hq, D], lse [B, Hq]."""
+    b, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    if b == 0:
+        return
+    gp = triton.next_power_of_2(group)
+    block_d = triton.next_power_of_2(d)
+    ieee = q.dtype == torch.float32
+    v = plan.views
+    bt = v["block_table"]
+    po, plse = plan.partial_o, plan.partial_lse
+    if plan.num_node_pieces:
+        bm = plan.block_m
+        _cascade_node_kernel[(plan.node_programs,)](
+            q, k_cache, v_cache, bt, v["members"], v["node_work"], v["node_prog_ptr"], po, plse,
+            scale, *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(),
+            *po.stride(), *plse.stride(),
+            GROUP=group, GP=gp, BS=bs, D=d, BLOCK_M=bm, BLOCK_N=plan.node_block_n, BLOCK_D=block_d, IEEE=ieee,
+            num_warps=8 if bm >= 128 else 4, num_stages=2,
+        )
+    if plan.num_leaf_pieces:  # private tails: decode pieces that only write partial states
+        run_pieces(q, k_cache, v_cache, bt, v["seq_lens"], out, lse, po, plse, v["leaf_work"],
+                   v["leaf_prog_ptr"], plan.leaf_programs, plan.block_n, scale)
+    _cascade_merge_kernel[(b * hkv,)](
+        v["req_ptr"], v["slots"], po, plse, out, lse, hkv,
+        *po.stride(), *plse.stride(), *out.stride(), *lse.stride(),
+        GROUP=group, D=d, BLOCK_H=gp, BLOCK_D=block_d,
+    )
+
+
+def _merge_into(run_lse, run_o, idx, lse, o):
+    """Merges states (lse [n, H], o [n, H, D], fp32) into rows ``idx`` of the running state."""
+    a_l, a_o = run_lse[idx], run_o[idx]
+    m = torch.maximum(a_l, lse)
+    m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    wa, wb = torch.exp(a_l - m_safe), torch.exp(lse - m_safe)
+    ws = wa + wb
+    empty = ws == 0
+    den = torch.where(empty, torch.ones_like(ws), ws)
+    run_o[idx] = (a_o * wa[..., None] + o * wb[..., None]) / den[..., None]
+    run_lse[idx] = torch.where(empty, torch.full_like(m, float("-inf")), m_safe + torch.log(den))
+
+
+def _attend(qg, k, v, live, scale):
+    """qg [n, Hkv, g, D], k/v [n or 1, L, Hkv, D], live [n or 1, L] -> lse [n, Hkv*g], o [n, Hkv*g, D]."""
+    s = torch.einsum("nhgd,mlhd->nhgl", qg, k) if k.shape[0] == 1 else torch.einsum("nhgd,nlhd->nhgl", qg, k)
+    s = (s * scale).masked_fill(~live[:, None, None, :], float("-inf"))
+    l_ = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - l_.nan_to_num(neginf=0.0)[..., None])
+    o = torch.einsum("nhgl,mlhd->nhgd", p, v) if v.shape[0] == 1 else torch.einsum("nhgl,nlhd->nhgd", p, v)
+    n = qg.shape[0]
+    return l_.reshape(n, -1), o.reshape(n, -1, qg.shape[-1])
+
+
+def cascade_torch(q, k_cache, v_cache, plan, scale: float, out, lse):
+    """Vectorised torch version (CPU tensors), through the plan's node/tail decomposition: each
+    node's K/V is gathered once and attended by all its requests; tails are gathered per request."""
+    b, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    run_lse = torch.full((b, hq), float("-inf"), dtype=torch.float32)
+    run_o = torch.zeros(b, hq, d, dtype=torch.float32)
+    bt = torch.from_numpy(plan.block_table_host.astype("int64"))
+    qf = q.float().cpu()
+    for members, t0, t1 in plan.nodes():
+        mem = torch.from_numpy(members.astype("int64"))
+        pages = bt[int(members[0]), t0 // bs: t1 // bs]
+        k = k_cache[pages].flatten(0, 1).float()[None]  # [1, L, Hkv, D]
+        vv = v_cache[pages].flatten(0, 1).float()[None]
+        live = torch.ones(1, t1 - t0, dtype=torch.bool)
+        l_, o = _attend(qf[mem].view(-1, hkv, group, d), k, vv, live, scale)
+        _merge_into(run_lse, run_o, mem, l_, o)
+    starts = torch.from_numpy(plan.shared_len_host.astype("int64"))
+    lens = torch.from_numpy(plan.seq_lens_host.astype("int64"))
+    tail = lens - starts
+    max_t = int(tail.max()) if b else 0
+    if max_t > 0:
+        per = max(1, (1 << 24) // max(1, max_t * hkv * d))  # requests per chunk: bounds memory
+        for c in range(0, b, per):
+            ts, tl_ = starts[c:c + per], tail[c:c + per]
+            pos = ts[:, None] + torch.arange(max_t)[None, :]
+            live = torch.arange(max_t)[None, :] < tl_[:, None]
+            col = torch.where(live, pos // bs, 0)
+            pages = torch.where(live, torch.gather(bt[c:c + per], 1, col.clamp(max=bt.shape[1] - 1)), 0)
+            rows = torch.where(live, pos % bs, 0)
+            k = k_cache[pages, rows].float()  # [n, T, Hkv, D]
+            vv = v_cache[pages, rows].float()
+            l_, o = _attend(qf[c:c + per].view(-1, hkv, group, d), k, vv, live, scale)
+            _merge_into(run_lse, run_o, torch.arange(c, c + l_.shape[0]), l_, o)
+    out.copy_(run_o.to(out.dtype))
+    lse.copy_(run_lse)
