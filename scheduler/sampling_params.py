@@ -1,0 +1,80 @@
+"""Per-request sampling parameters, validated on construction.
+
+The scheduler reads only ``n``, ``max_tokens``, ``stop_token_ids`` and ``stop`` (stop strings,
+checked when the scheduler was given a ``detokenize`` callable); the rest is carried for the
+engine's sampler.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+
+
+def _int(name: str, value, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    return int(value)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request.
+
+    n:              number of samples that share the prompt (>= 1); the prompt is prefilled
+                    once and forked into n sequences (copy-on-write KV blocks).
+    temperature:    >= 0; 0 means greedy.
+    top_p:          in (0, 1].
+    top_k:          -1 or 0 disables; otherwise >= 1.
+    max_tokens:     >= 1 generated tokens per sample.
+    seed:           None or an int >= 0 (for the engine's per-request generator).
+    stop_token_ids: token ids that end a sample (put EOS here); the stop token is kept.
+    stop:           stop strings (a str or a sequence of non-empty str); need a detokenizer.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        self.n = _int("n", self.n, 1)
+        self.max_tokens = _int("max_tokens", self.max_tokens, 1)
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+            setattr(self, name, float(v))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_k = _int("top_k", self.top_k, -1)
+        if self.top_k == 0:
+            self.top_k = -1
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed, 0)
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise ValueError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}")
+        self.stop_token_ids = tuple(_int("stop_token_ids[i]", t, 0) for t in self.stop_token_ids)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            stop = ()
+        if not hasattr(stop, "__iter__"):
+            raise ValueError(f"stop must be a str or a sequence of str, got {self.stop!r}")
+        stop = tuple(stop)
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+        self.stop = stop
+        self._stop_ids = frozenset(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,380 @@
+"""Request scheduler: waiting/running queues, chunked prefill mixed with decode, recompute
+preemption, fork at prompt end, and per-step host arrays for the paged backend.
+
+Engine loop::
+
+    batch = sched.schedule()                       # ScheduledBatch of numpy arrays
+    pb.copy_blocks(k_caches, v_caches, batch.block_copies)   # before any KV write/attention
+    logits = model(batch.input_ids, batch.positions, metadata from batch)
+    tokens = sample(logits[batch.query_start_loc[1:][batch.num_samples > 0] - 1], ...)
+    finished = sched.postprocess(batch, tokens)    # sum(num_samples) ids, in row order
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .block_manager import BlockManager
+from .sampling_params import SamplingParams
+from .sequence import Sequence, SequenceGroup, SequenceStatus
+
+RUNNING, WAITING, FINISHED = SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED
+
+
+@dataclass
+class ScheduledBatch:
+    """One step. B rows (sequences), T new tokens. Rows [0, num_decodes) are decodes (one token
+    each); the rest are prefill chunks. All arrays are host numpy arrays.
+
+    seq_ids [B] int64; block_tables [B, max_blocks] int32 (entries past a row's
+    ceil(seq_len / BS) are 0); seq_lens [B] int32 = tokens in cache after this step's writes;
+    query_start_loc [B+1] int32 delimits each row's new tokens; slot_mapping [T] int64 (the
+    slots of the new tokens only, never -1 here); input_ids [T] int64; positions [T] int64;
+    num_samples [B] int32 = tokens to sample from the row's last position (0 mid-prompt, n when
+    a request's prompt ends and it forks, else 1); block_copies [K, 2] int64 (src, dst) block
+    copies to run before this step's writes; share_groups: lists (size >= 2, ascending) of row
+    indices whose first block id is the same (fork samples, prefix-cache hits), for
+    ``pb.plan_cascade``; share_blocks (lazy): per group, how many leading block ids all its rows
+    have in common.
+    """
+
+    seq_ids: np.ndarray
+    block_tables: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    slot_mapping: np.ndarray
+    input_ids: np.ndarray
+    positions: np.ndarray
+    num_samples: np.ndarray
+    block_copies: np.ndarray
+    share_groups: list[list[int]]
+    num_decodes: int
+    num_prefill_tokens: int
+    preempted: list = field(default_factory=list)  # request ids preempted while building it
+    seqs: list[Sequence] = field(default_factory=list, repr=False)
+    block_size: int = 0
+    _share_blocks: list[int] | None = field(default=None, repr=False)
+
+    @property
+    def share_blocks(self) -> list[int]:
+        """Per share group, the number of leading block ids all its rows have in common
+        (computed on first access: a few numpy passes, kept off the step's critical path)."""
+        if self._share_blocks is None:
+            nblk = (self.seq_lens + (self.block_size - 1)) // self.block_size
+            self._share_blocks = _common_blocks(self.block_tables, nblk, self.share_groups)
+        return self._share_blocks
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None):
+        if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
+            raise ValueError("need 1 <= max_num_seqs <= max_num_batched_tokens, got "
+                             f"{max_num_seqs}, {max_num_batched_tokens}")
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.detokenize = detokenize
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: deque[SequenceGroup] = deque()
+        self.requests: dict = {}
+        self._num_running_seqs = 0
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- requests
+    def max_blocks_needed(self, prompt_len: int, params: SamplingParams) -> int:
+        """Blocks a request holds at its longest when it runs alone (samples share the prompt's
+        full blocks); it must fit in the pool minus the watermark."""
+        bs = self.bm.block_size
+        total = prompt_len + params.max_tokens
+        if self.max_model_len is not None:
+            total = min(total, self.max_model_len)
+        return params.n * -(-total // bs) - (params.n - 1) * (prompt_len // bs)
+
+    def add_request(self, prompt_token_ids, params: SamplingParams | None = None,
+                    request_id=None) -> SequenceGroup:
+        params = SamplingParams() if params is None else params
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty")
+        if request_id is None:
+            request_id = f"req-{len(self.requests)}"
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request_id {request_id!r}")
+        if self.max_model_len is not None and len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room under "
+                             f"max_model_len={self.max_model_len}")
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
+        need = self.max_blocks_needed(len(prompt), params)
+        room = self.bm.num_blocks - self.bm.watermark_blocks
+        if need > room:
+            raise ValueError(f"request {request_id!r} needs up to {need} KV blocks but the pool "
+                             f"has {room} usable (num_blocks={self.bm.num_blocks}, watermark="
+                             f"{self.bm.watermark_blocks}); raise num_blocks or lower max_tokens/n")
+        g = SequenceGroup(request_id, prompt, params, next(self._arrivals))
+        self.requests[request_id] = g
+        self.waiting.append(g)
+        return g
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def preempt(self, group: SequenceGroup) -> None:
+        """Recompute preemption: free the group's blocks and put it at the front of waiting with
+        its generated tokens kept (prompt + outputs are prefilled again on resume)."""
+        if group not in self.running:
+            raise ValueError(f"request {group.request_id!r} is not running")
+        self.running.remove(group)
+        self._preempt(group)
+
+    def _preempt(self, g: SequenceGroup) -> None:
+        for s in g.seqs:
+            if s.status is RUNNING:
+                self.bm.free(s)
+                s.status = WAITING
+        self._num_running_seqs -= g.num_seq_slots
+        g.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(g)
+
+    # ---------------------------------------------------------------- one step
+    def schedule(self) -> ScheduledBatch:
+        bm = self.bm
+        budget = self.max_num_batched_tokens
+        dec, dec_slots, copies, preempted = [], [], [], []
+        # 1. decodes of running groups, oldest first; preempt the youngest when blocks run out
+        kept, running, prefilling, dec_groups, dec_counts = deque(), self.running, [], [], []
+        while running:
+            g = running.popleft()
+            ds, pf = [], False
+            for s in g.seqs:
+                if s.status is RUNNING:
+                    r = len(s.token_ids) - s.num_computed_tokens
+                    if r == 1:
+                        if s.wait_for is None or self._ready(s):
+                            ds.append(s)
+                    elif r > 1:
+                        pf = True
+            if ds:
+                # each decode takes at most one block: the exact count only matters when short
+                need = len(ds) if len(ds) <= bm.num_free_blocks else bm.blocks_to_append(ds)
+                while bm.num_free_blocks < need and g is not None:
+                    victim = running.pop() if running else g
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is g:
+                        g = None
+                if g is None:
+                    break
+                bm.append_slots(ds, dec_slots, copies)
+                dec += ds
+                dec_groups.append(g)
+                dec_counts.append(len(ds))
+            kept.append(g)
+            if pf:
+                prefilling.append(g)
+        self.running = kept
+        budget -= len(dec)
+        # 2. prefill chunks of running groups, then 3. admit waiting groups (FIFO)
+        pre = []
+        for g in prefilling:
+            if budget <= 0:
+                break
+            budget = self._chunks(g, budget, pre, min_tokens=2)
+        while self.waiting and budget > 0:
+            g = self.waiting[0]
+            if self._num_running_seqs + g.num_seq_slots > self.max_num_seqs:
+                break
+            live = [s for s in g.seqs if s.status is WAITING]
+            if not bm.can_allocate(live):
+                break
+            self.waiting.popleft()
+            bm.allocate(live)
+            for s in live:
+                s.status = RUNNING
+            self.running.append(g)
+            self._num_running_seqs += g.num_seq_slots
+            budget = self._chunks(g, budget, pre, min_tokens=1)
+        dec_ns = np.repeat(np.array([1 if g.forked else g.params.n for g in dec_groups], np.int32),
+                           dec_counts)
+        return self._build(dec, dec_slots, dec_ns, pre, copies, preempted)
+
+    def _ready(self, s: Sequence) -> bool:
+        if s.wait_for.num_computed_tokens >= s.prefill_after or s.wait_for.status is FINISHED:
+            s.wait_for = None
+            return True
+        return False
+
+    def _chunks(self, g: SequenceGroup, budget: int, pre: list, min_tokens: int) -> int:
+        for s in g.seqs:
+            if budget <= 0:
+                break
+            if s.status is not RUNNING or (s.wait_for is not None and not self._ready(s)):
+                continue
+            start = s.num_computed_tokens
+            rem = len(s.token_ids) - start
+            if rem < min_tokens:
+                continue
+            end = start + min(rem, budget)
+            self.bm.mark_computed(s, end)
+            pre.append((s, start, end))
+            budget -= end - start
+        return budget
+
+    def _build(self, dec, dec_slots, dec_ns, pre, copies, preempted) -> ScheduledBatch:
+        bm, bs = self.bm, self.bm.block_size
+        seqs = dec + [p[0] for p in pre]
+        B, D = len(seqs), len(dec)
+        seq_lens = np.empty(B, np.int32)
+        q_lens = np.ones(B, np.int32)
+        seq_lens[:D] = [s.num_computed_tokens for s in dec]
+        if pre:
+            seq_lens[D:] = [p[2] for p in pre]
+            q_lens[D:] = [p[2] - p[1] for p in pre]
+        qsl = np.zeros(B + 1, np.int32)
+        np.cumsum(q_lens, out=qsl[1:])
+        slot_mapping = np.concatenate([np.asarray(dec_slots, np.int64)]
+                                      + [bm.slots(*p) for p in pre])
+        input_ids = np.asarray([s.token_ids[-1] for s in dec]
+                               + [t for s, a, e in pre for t in s.token_ids[a:e]], np.int64)
+        starts = np.repeat(seq_lens - q_lens - qsl[:-1], q_lens).astype(np.int64)
+        positions = np.arange(len(input_ids), dtype=np.int64) + starts
+        nsamp = np.empty(B, np.int32)
+        nsamp[:D] = dec_ns
+        for i, (s, a, e) in enumerate(pre, D):
+            nsamp[i] = 0 if e < len(s.token_ids) else (1 if s.group.forked else s.group.params.n)
+        seq_ids = np.fromiter((s.seq_id for s in seqs), np.int64, B)
+        if B:
+            rows = np.fromiter((s.row for s in seqs), np.intp, B)
+            nblk = (seq_lens + (bs - 1)) // bs
+            mb = int(nblk.max())
+            bt = bm.table[rows, :mb]
+            if int(nblk.min()) < mb:
+                bt[np.arange(mb) >= nblk[:, None]] = 0
+        else:
+            bt = np.zeros((0, 0), np.int32)
+        groups = self._share_groups(bt)
+        return ScheduledBatch(
+            seq_ids=seq_ids, block_tables=bt, seq_lens=seq_lens, query_start_loc=qsl,
+            slot_mapping=slot_mapping, input_ids=input_ids, positions=positions,
+            num_samples=nsamp, block_copies=np.asarray(copies, np.int64).reshape(-1, 2),
+            share_groups=groups, num_decodes=D, num_prefill_tokens=int(qsl[-1]) - D,
+            preempted=preempted, seqs=seqs, block_size=bs)
+
+    @staticmethod
+    def _share_groups(bt: np.ndarray) -> list[list[int]]:
+        """Rows grouped by first block id: groups of >= 2 rows, each ascending."""
+        if bt.shape[0] < 2:
+            return []
+        first = bt[:, 0]
+        order = np.argsort(first, kind="stable")
+        fs = first[order]
+        start = np.flatnonzero(np.r_[True, fs[1:] != fs[:-1]])
+        size = np.diff(np.r_[start, len(fs)])
+        multi = size >= 2
+        if not multi.any():
+            return []
+        ol = order.tolist()
+        return [ol[a:a + n] for a, n in zip(start[multi].tolist(), size[multi].tolist())]
+
+    # ---------------------------------------------------------------- after the model ran
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids) -> list[SequenceGroup]:
+        """Append sampled tokens (sum(batch.num_samples) ids, rows in order, n consecutive ids for
+        a forking row), fork groups whose prompt ended, finish and free stopped samples.
+        Returns the groups that finished in this step."""
+        toks = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1).tolist()
+        counts = batch.num_samples.tolist()
+        if len(toks) != sum(counts):
+            raise ValueError(f"expected {sum(counts)} sampled tokens, got {len(toks)}")
+        done: list[SequenceGroup] = []
+        k = 0
+        for s, c in zip(batch.seqs, counts):
+            if c == 0:
+                continue
+            if c == 1:
+                s.token_ids.append(toks[k])
+                self._check_stop(s, done)
+            else:
+                g = s.group
+                fam = self.bm.fork(s, c)
+                g.seqs.extend(fam[1:])
+                g.forked = True
+                g.num_live += c - 1
+                for child, t in zip(fam, toks[k:k + c]):
+                    child.token_ids.append(t)
+                    self._check_stop(child, done)
+            k += c
+        if done:
+            self.running = deque(g for g in self.running if not g.is_finished)
+        return done
+
+    def _check_stop(self, s: Sequence, done: list) -> None:
+        p = s.group.params
+        t = s.token_ids[-1]
+        reason = None
+        if t in p._stop_ids:
+            reason = "stop"
+        elif len(s.token_ids) - s.num_prompt_tokens >= p.max_tokens:
+            reason = "length"
+        elif self.max_model_len is not None and len(s.token_ids) >= self.max_model_len:
+            reason = "length"
+        elif p.stop and self.detokenize is not None:
+            text = self.detokenize(s.output_token_ids)
+            if any(x in text for x in p.stop):
+                reason = "stop"
+        if reason is None:
+            return
+        s.status, s.finish_reason = FINISHED, reason
+        self.bm.free(s)
+        g = s.group
+        g.num_live -= 1
+        if g.forked:
+            self._num_running_seqs -= 1
+        if g.num_live == 0:
+            if not g.forked:
+                self._num_running_seqs -= g.params.n
+            done.append(g)
+
+
+def _common_blocks(bt: np.ndarray, nblk: np.ndarray, groups: list[list[int]]) -> list[int]:
+    """Per group of rows (all sharing block 0), how many leading block ids they all share. The
+    block manager only ever shares a leading run of blocks (fork, prefix-cache chain, resumed
+    samples), so "shares c blocks" is monotone in c: binary search over single columns."""
+    if not groups:
+        return []
+    size = np.array([len(g) for g in groups])
+    rows = np.array([i for g in groups for i in g], np.intp)
+    seg = np.r_[0, np.cumsum(size)[:-1]]
+    gid = np.repeat(np.arange(len(groups)), size)
+    lead = rows[seg][gid]
+    lo = np.ones(len(groups), np.int64)  # all share >= lo blocks (block 0)
+    hi = np.minimum.reduceat(nblk[rows], seg).astype(np.int64)
+    while True:
+        act = lo < hi
+        if not act.any():
+            return lo.tolist()
+        mid = (lo + hi + 1) // 2  # does every row share column mid - 1?
+        c = np.minimum(mid, hi)[gid] - 1
+        ok = np.logical_and.reduceat(bt[rows, c] == bt[lead, c], seg) & act
+        lo = np.where(ok, mid, lo)
+        hi = np.where(act & ~ok, mid - 1, hi)
