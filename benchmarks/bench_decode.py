@@ -23,8 +23,9 @@ from peers import PEERS, Impl, Skip  # noqa: E402
 
 K = 1024
 BENCH = "decode"
-OURS = ("ours_sk", "ours_split", "ours_noplan", "ours_sk_graph")
-IMPLS = OURS[:3] + tuple(PEERS) + OURS[3:]  # graph capture last: a failed capture cannot spoil the rest
+OURS = ("ours_sk", "ours_split", "ours_noplan")
+IMPLS = OURS + tuple(PEERS)
+GRAPHED = ("ours_sk", "flashinfer", "sdpa", "xformers")  # also timed as CUDA-graph replays: "<name>@graph"
 REL_TOL, LSE_TOL, PEER_LSE_TOL = 1e-2, 1e-3, 1e-2
 
 # name -> (lengths, Hq, Hkv); workload of record first, then the stream-K issue's cases
@@ -59,23 +60,6 @@ def ours_impl(inp: C.PagedInputs, kind: str) -> Impl:
                               mode="split" if kind == "ours_split" else "stream_k")
     fns = [lambda q=q, k=k, v=v: pb.paged_decode(q, k, v, bt, sl, plan=plan) for q, k, v in inp.sets]
     note = "" if plan is None else f"G={plan.num_programs} pieces={plan.num_pieces}"
-    if kind == "ours_sk_graph":
-        if inp.device.type != "cuda":
-            raise Skip("needs CUDA")
-        graphs, outs = [], []
-        for fn in fns:
-            fn()  # compile outside the capture
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                outs.append(fn())
-            graphs.append(g)
-        torch.cuda.synchronize()
-
-        def result():
-            graphs[0].replay()
-            return outs[0]
-        return Impl([g.replay for g in graphs], result, note + " cuda graph")
     return Impl(fns, fns[0], note)
 
 
@@ -117,6 +101,14 @@ def run_case(name, lens, hq, hkv, args, copy_gbps) -> dict:
             us = C.time_us(C.rotate(impl.fns), dev, args.warmup_ms, args.rep_ms)
             r.update(us=us, gbps=inp.kv_bytes / (us * 1e-6) / 1e9)
             r["pct_copy"] = 100 * r["gbps"] / copy_gbps if copy_gbps else None
+            if dev.type == "cuda" and impl_name in GRAPHED and not args.no_graph:
+                try:
+                    gus = C.graph_time_us(impl.fns, args.warmup_ms, args.rep_ms)
+                    rec["impls"][impl_name + "@graph"] = dict(
+                        us=gus, gbps=inp.kv_bytes / (gus * 1e-6) / 1e9, ok=r["ok"], note="cuda graph replay",
+                        rel_err=r["rel_err"], pct_copy=100 * inp.kv_bytes / (gus * 1e-6) / 1e9 / copy_gbps)
+                except Exception as e:  # graph capture is a bonus measurement, never fatal
+                    rec["impls"][impl_name + "@graph"] = {"error": C.short_error(e)}
         except Skip as e:
             r = {"skipped": str(e)}
         except Exception as e:  # a failure of one implementation never stops the run
@@ -126,8 +118,8 @@ def run_case(name, lens, hq, hkv, args, copy_gbps) -> dict:
         rec["impls"][impl_name] = r
         print(f"  {impl_name:14s} {cell(r, None):>22s}  {detail(r)}", flush=True)
         C.free_memory()
-    fi = rec["impls"].get("flashinfer", {}).get("us")
-    for r in rec["impls"].values():
+    for name, r in rec["impls"].items():  # eager vs FlashInfer eager, graph vs FlashInfer graph
+        fi = rec["impls"].get("flashinfer@graph" if name.endswith("@graph") else "flashinfer", {}).get("us")
         if fi and r.get("us"):
             r["x_vs_flashinfer"] = fi / r["us"]
     if "lse_vs_ours" in rec["impls"].get("flashinfer", {}):
@@ -189,18 +181,21 @@ def _lens_str(rec) -> str:
 
 def render(results: dict, names) -> tuple[str, str]:
     """-> (console table, markdown section)."""
-    impls = [i for i in IMPLS if any(i in results["cases"][c]["impls"] for c in names)]
+    impls = [i for i in IMPLS + tuple(g + "@graph" for g in GRAPHED)
+             if any(i in results["cases"][c]["impls"] for c in names)]
     head = ["case", "KV MB"] + impls + ["check"]
     rows, md_rows = [], []
     for c in names:
         rec = results["cases"][c]
         fi = rec["impls"].get("flashinfer", {}).get("us")
+        fi_graph = rec["impls"].get("flashinfer@graph", {}).get("us")
         bad = [i for i, r in rec["impls"].items() if r.get("ok") is False]
         err = [i for i, r in rec["impls"].items() if "error" in r]
         check = " ".join(([f"WRONG:{','.join(bad)}"] if bad else []) + ([f"error:{','.join(err)}"] if err else []))
         mb = rec["bytes"] / C.MB
         for out, long in ((rows, False), (md_rows, True)):
-            cells = [" ".join(cell(rec["impls"].get(i, {"skipped": ""}), fi, long).split()) for i in impls]
+            cells = [" ".join(cell(rec["impls"].get(i, {"skipped": ""}), fi_graph if i.endswith("@graph") else fi,
+                                   long).split()) for i in impls]
             out.append([c, f"{mb:.0f}" if mb >= 10 else f"{mb:.1f}"] + cells + [check or "ok"])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     fmt = lambda r: " | ".join(str(x).rjust(w) if j else str(x).ljust(w) for j, (x, w) in enumerate(zip(r, widths)))
@@ -229,6 +224,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", help="comma-separated case names (default: all)")
     p.add_argument("--impls", help=f"comma-separated subset of {','.join(IMPLS)}")
+    p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay timings")
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--out", help="results JSON (merged by benchmark name); default "
                                  "benchmarks/results/<gpu>.json, none with --quick")

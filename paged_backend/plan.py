@@ -107,6 +107,9 @@ class DecodePlan:
     partial_o: torch.Tensor = field(default=None, repr=False)
     partial_lse: torch.Tensor = field(default=None, repr=False)
     counters: torch.Tensor = field(default=None, repr=False)
+    _staging: list = field(default=None, repr=False)
+    _copied: list = field(default=None, repr=False)
+    _flip: int = 0
 
     @property
     def num_programs(self) -> int:
@@ -141,45 +144,67 @@ class DecodePlan:
             raise ValueError(f"seq_lens_cpu must have {self.batch_size} entries (the plan's batch size), "
                              f"got {lens.size}")
         self.seq_lens_host = lens
-        host = self._partition(lens)
+        size = self.max_pieces * WORK_FIELDS + self.num_programs + 1 + self.batch_size * self.num_kv_heads + 1
         if self.buffers is None:
-            self.buffers = torch.empty(host.size, dtype=torch.int32, device=self.device)
-            group = self.num_q_heads // self.num_kv_heads
-            self.partial_o = torch.empty(self.max_pieces, group, self.head_dim, dtype=torch.float32,
-                                         device=self.device)
-            self.partial_lse = torch.empty(self.max_pieces, group, dtype=torch.float32, device=self.device)
-            self.counters = torch.zeros(self.batch_size * self.num_kv_heads, dtype=torch.int32, device=self.device)
-        src = torch.from_numpy(host)
-        if self.device.type == "cuda":
-            src = src.pin_memory()
-        self.buffers.copy_(src, non_blocking=True)
+            self._allocate(size)
+        if self.device.type != "cuda":
+            self._partition(lens, self.buffers.numpy())
+            return self
+        # Two pinned staging buffers, alternated: the CPU may run a step ahead of the GPU, so a
+        # buffer is rewritten only after its previous copy has been done (its event).
+        i = self._flip = 1 - self._flip
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()
+        self._partition(lens, self._staging[i].numpy())
+        self.buffers.copy_(self._staging[i], non_blocking=True)
+        self._copied[i] = torch.cuda.Event()
+        self._copied[i].record()
         return self
 
-    def _partition(self, lens: np.ndarray) -> np.ndarray:
-        """Packs ``work | prog_ptr | seg_ptr`` into one int32 host array."""
-        hkv, bn = self.num_kv_heads, self.block_n
-        seg_tokens = np.repeat(lens, hkv)  # [S], S = B * Hkv
+    def _allocate(self, size: int) -> None:
+        dev = self.device
+        self.buffers = torch.zeros(size, dtype=torch.int32, device=dev)
+        group = self.num_q_heads // self.num_kv_heads
+        self.partial_o = torch.empty(self.max_pieces, group, self.head_dim, dtype=torch.float32, device=dev)
+        self.partial_lse = torch.empty(self.max_pieces, group, dtype=torch.float32, device=dev)
+        self.counters = torch.zeros(self.batch_size * self.num_kv_heads, dtype=torch.int32, device=dev)
+        if dev.type == "cuda":
+            self._staging = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in range(2)]
+            self._copied, self._flip = [None, None], 0
+
+    def _partition(self, lens: np.ndarray, out: np.ndarray) -> None:
+        """Writes ``work | prog_ptr | seg_ptr`` into the int32 host array ``out``."""
+        hkv, bn, g = self.num_kv_heads, self.block_n, self.num_programs
+        n_seg = lens.size * hkv
         # An empty segment still gets one (empty) piece, which writes o = 0, lse = -inf.
-        seg_units = np.maximum(-(-seg_tokens // bn), 1)
-        seg_bounds = np.concatenate([[0], np.cumsum(seg_units)])
+        req_units = np.maximum((lens + (bn - 1)) // bn, 1)
+        seg_units = np.repeat(req_units, hkv)  # [S], S = B * Hkv
+        seg_bounds = np.zeros(n_seg + 1, dtype=np.int64)
+        np.cumsum(seg_units, out=seg_bounds[1:])
         prog_bounds = _program_bounds(seg_units, self.mode, self.target_programs)
-        cuts = np.union1d(prog_bounds, seg_bounds)
+        cuts = np.concatenate((prog_bounds, seg_bounds))
+        cuts.sort()
+        cuts = cuts[np.flatnonzero(np.diff(cuts, prepend=-1))]  # sorted union of both cut sets
         starts, ends = cuts[:-1], cuts[1:]
+        n = starts.size
         seg = np.searchsorted(seg_bounds, starts, side="right") - 1  # [P]
-        n_pieces = starts.size
         seg_ptr = np.searchsorted(starts, seg_bounds, side="left")
-        pieces_per_seg = np.diff(seg_ptr)
-        slot = np.where(pieces_per_seg[seg] > 1, np.arange(n_pieces), -1)
-        tok_start = (starts - seg_bounds[seg]) * bn
-        tok_end = np.minimum((ends - seg_bounds[seg]) * bn, seg_tokens[seg] if seg.size else 0)
-        work = np.zeros((self.max_pieces, WORK_FIELDS), dtype=np.int64)
-        work[:n_pieces] = np.stack([seg // hkv, seg % hkv, tok_start, tok_end, slot], axis=1)
-        prog_ptr = np.zeros(self.num_programs + 1, dtype=np.int64)
+        seg_start = seg_bounds[seg]
+        req = seg // hkv
+        work = out[: self.max_pieces * WORK_FIELDS].reshape(-1, WORK_FIELDS)
+        work[:n, 0] = req
+        work[:n, 1] = seg - req * hkv
+        work[:n, 2] = (starts - seg_start) * bn
+        work[:n, 3] = np.minimum((ends - seg_start) * bn, lens[req])
+        split = np.diff(seg_ptr)[seg] > 1
+        work[:n, 4] = np.where(split, np.arange(n), -1)
+        at = self.max_pieces * WORK_FIELDS
+        prog_ptr = out[at: at + g + 1]
         n_prog = prog_bounds.size - 1
         prog_ptr[: n_prog + 1] = np.searchsorted(starts, prog_bounds, side="left")
-        prog_ptr[n_prog + 1:] = n_pieces  # programs past the last cut get empty runs
-        self.num_pieces = n_pieces
-        return np.concatenate([work.ravel(), prog_ptr, seg_ptr]).astype(np.int32)
+        prog_ptr[n_prog + 1:] = n  # programs past the last cut get empty runs
+        out[at + g + 1:] = seg_ptr
+        self.num_pieces = n
 
 
 def plan_decode(seq_lens_cpu, *, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
