@@ -9,8 +9,11 @@ See benchmarks/README.md for the columns. Any failure (ours or a peer) is record
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import traceback
 
 import numpy as np
@@ -129,6 +132,22 @@ def run_case(name, lens, hq, hkv, args, copy_gbps) -> dict:
     return rec
 
 
+def run_isolated(name: str, argv, copy_gbps: float) -> dict:
+    """Runs one case in a fresh process (same flags) and returns its record."""
+    keep = [a for a in (argv if argv is not None else sys.argv[1:])]
+    if "--cases" in keep:
+        i = keep.index("--cases")
+        del keep[i:i + 2]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "case.json")
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *keep, "--cases", name, "--child", path,
+                               "--copy-gbps", str(copy_gbps)])
+        if not os.path.exists(path):
+            raise RuntimeError(f"case process died (exit code {proc.returncode})")
+        with open(path) as f:
+            return json.load(f)
+
+
 def cell(r: dict, fi_us, long: bool = False) -> str:
     if "us" not in r:
         return "skip" if "skipped" in r else "ERROR"
@@ -233,6 +252,11 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--warmup-ms", type=int, default=50)
     p.add_argument("--rep-ms", type=int, default=200)
+    p.add_argument("--no-isolate", action="store_true",
+                   help="run all cases in this process (default on CUDA: one subprocess per case, so a "
+                        "peer that crashes the process loses only its case)")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # internal: write one case's record here
+    p.add_argument("--copy-gbps", type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     if dev.type == "cuda" and dev.index is None:
@@ -255,7 +279,13 @@ def main(argv=None):
     slug = C.gpu_slug(dev)
     out = args.out or (None if args.quick else os.path.join(C.ROOT, "benchmarks", "results", f"{slug}.json"))
     md = args.md or (None if args.quick else os.path.join(C.ROOT, "benchmarks", "results", f"{slug}.md"))
-    copy_gbps = C.copy_bandwidth(dev)
+    copy_gbps = args.copy_gbps or C.copy_bandwidth(dev)
+    if args.child:
+        lens, hq, hkv = table[names[0]]
+        with open(args.child, "w") as f:
+            json.dump(run_case(names[0], lens, hq, hkv, args, copy_gbps), f)
+        return 0
+    isolate = dev.type == "cuda" and not args.no_isolate and len(names) > 1
     results = {"device": C.gpu_name(dev), "date": C.now(), "copy_gbps": copy_gbps, "versions": C.versions(),
                "quick": args.quick, "cases": {}}
     print(f"device {results['device']}  copy {copy_gbps:.0f} GB/s  {results['versions']}", flush=True)
@@ -263,7 +293,10 @@ def main(argv=None):
     for n in names:
         lens, hq, hkv = table[n]
         try:
-            results["cases"][n] = run_case(n, lens, hq, hkv, args, copy_gbps)
+            if isolate:
+                results["cases"][n] = run_isolated(n, argv, copy_gbps)
+            else:
+                results["cases"][n] = run_case(n, lens, hq, hkv, args, copy_gbps)
             done.append(n)
         except Exception as e:  # input creation or reference failed (e.g. out of memory)
             print(f"case {n} failed: {C.short_error(e)}", flush=True)

@@ -116,46 +116,54 @@ def _decode_kernel(
                 tl.store(count_ptr + seg, 0)  # ready for the next launch or graph replay
                 _merge_pieces(po_ptr, plse_ptr, out_ptr + b * stride_ob, lse_ptr + b * stride_lb, lo, hi,
                               kvh * GROUP, stride_pop, stride_poh, stride_pod, stride_plp, stride_plh,
-                              stride_oh, stride_od, stride_lh, GROUP, D, BLOCK_G, BLOCK_D, CHUNK)
+                              stride_oh, stride_od, stride_lh, GROUP, D, BLOCK_G, BLOCK_H, BLOCK_D, CHUNK)
 
 
 @triton.jit
 def _merge_pieces(po_ptr, plse_ptr, out_ptr, lse_ptr, lo, hi, h0,
                   stride_pop, stride_poh, stride_pod, stride_plp, stride_plh, stride_oh, stride_od, stride_lh,
-                  GROUP: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                  CHUNK: tl.constexpr):
+                  GROUP: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
     """Merges partial states ``lo..hi`` (in order) into heads ``h0..h0+GROUP`` of one request.
-    CHUNK pieces are loaded at once, so a segment of many pieces costs a few memory round trips,
-    not one per piece."""
-    offs_c = tl.arange(0, CHUNK)
-    offs_g = tl.arange(0, BLOCK_G)
+
+    A chunk is CHUNK pieces x BLOCK_G heads = ROWS rows, loaded at once, so a segment of many
+    pieces costs a few memory round trips, not one per piece. Pass 1 finds each head's max lse;
+    pass 2 forms the weights as a [BLOCK_H, ROWS] matrix (row h holds exp(lse - max) on the rows of
+    head h, 0 elsewhere) and sums the chunk's outputs with one dot.
+    """
+    ROWS: tl.constexpr = CHUNK * BLOCK_G
+    offs_r = tl.arange(0, ROWS)
+    r_piece = offs_r // BLOCK_G
+    r_head = offs_r % BLOCK_G
+    offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    g_ok = offs_g < GROUP
-    gd_ok = g_ok[:, None] & (offs_d[None, :] < D)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    w_sum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    sel = offs_h[:, None] == r_head[None, :]  # [BLOCK_H, ROWS]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     for c0 in range(lo, hi, CHUNK):
-        pc = c0 + offs_c
-        c_ok = pc < hi
+        r_ok = (c0 + r_piece < hi) & (r_head < GROUP)
         # .cg: partials written by other SMs during this launch must not come from L1.
-        lse = tl.load(plse_ptr + pc[:, None] * stride_plp + offs_g[None, :] * stride_plh,
-                      mask=c_ok[:, None] & g_ok[None, :], other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(po_ptr + pc[:, None, None] * stride_pop + offs_g[None, :, None] * stride_poh
-                    + offs_d[None, None, :] * stride_pod, mask=c_ok[:, None, None] & gd_ok[None, :, :],
-                    other=0.0, cache_modifier=".cg")  # [CHUNK, BLOCK_G, BLOCK_D]
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: exp(-inf) = 0
-        alpha = tl.exp(m - m_safe)
-        w = tl.exp(lse - m_safe[None, :])  # [CHUNK, BLOCK_G]
-        w_sum = w_sum * alpha + tl.sum(w, 0)
-        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
-        m = m_new
+        lse = tl.load(plse_ptr + (c0 + r_piece) * stride_plp + r_head * stride_plh, mask=r_ok,
+                      other=float("-inf"), cache_modifier=".cg")
+        m = tl.maximum(m, tl.max(tl.where(sel, lse[None, :], float("-inf")), 1))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # a head with no keys anywhere: weights exp(-inf) = 0
+    w_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for c0 in range(lo, hi, CHUNK):
+        r_ok = (c0 + r_piece < hi) & (r_head < GROUP)
+        lse = tl.load(plse_ptr + (c0 + r_piece) * stride_plp + r_head * stride_plh, mask=r_ok,
+                      other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(po_ptr + (c0 + r_piece)[:, None] * stride_pop + r_head[:, None] * stride_poh
+                    + offs_d[None, :] * stride_pod, mask=r_ok[:, None] & (offs_d[None, :] < D), other=0.0,
+                    cache_modifier=".cg")  # [ROWS, BLOCK_D]
+        w = tl.where(sel, tl.exp(lse[None, :] - m_safe[:, None]), 0.0)  # [BLOCK_H, ROWS]
+        w_sum += tl.sum(w, 1)
+        acc += tl.dot(w, o, input_precision="ieee")
     o, lse = merge_finish(m, w_sum, acc)
-    h = h0 + offs_g
+    h_ok = offs_h < GROUP
+    h = h0 + offs_h
     tl.store(out_ptr + h[:, None] * stride_oh + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty),
-             mask=gd_ok)
-    tl.store(lse_ptr + h * stride_lh, lse, mask=g_ok)
+             mask=h_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(lse_ptr + h * stride_lh, lse, mask=h_ok)
 
 
 def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, partial_lse, work, prog_ptr,
@@ -180,7 +188,7 @@ def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, 
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(), *lse.stride(),
         *partial_o.stride(), *partial_lse.stride(),
         GROUP=group, BS=bs, D=d, BLOCK_H=max(16, block_g), BLOCK_N=block_n, BLOCK_D=block_d,  # dot: M >= 16
-        BLOCK_G=block_g, CHUNK=max(2, min(16, 8192 // (block_g * block_d))), FIXUP=fixup,
+        BLOCK_G=block_g, CHUNK=max(1, 64 // block_g), FIXUP=fixup,  # merge 64 (piece, head) rows at once
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
 
