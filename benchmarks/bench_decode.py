@@ -132,20 +132,29 @@ def run_case(name, lens, hq, hkv, args, copy_gbps) -> dict:
     return rec
 
 
-def run_isolated(name: str, argv, copy_gbps: float) -> dict:
-    """Runs one case in a fresh process (same flags) and returns its record."""
-    keep = [a for a in (argv if argv is not None else sys.argv[1:])]
-    if "--cases" in keep:
-        i = keep.index("--cases")
-        del keep[i:i + 2]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "case.json")
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *keep, "--cases", name, "--child", path,
-                               "--copy-gbps", str(copy_gbps)])
-        if not os.path.exists(path):
-            raise RuntimeError(f"case process died (exit code {proc.returncode})")
-        with open(path) as f:
-            return json.load(f)
+def run_isolated(name: str, argv, copy_gbps: float, impls) -> dict:
+    """Runs one case in a fresh process (same flags) and returns its record. If the process dies
+    (FlashInfer's MQA tensor-core decode segfaulted once on an H200), the case is run again with
+    ours only and the peers' crash is recorded."""
+    keep = list(argv if argv is not None else sys.argv[1:])
+    for flag in ("--cases", "--impls"):
+        if flag in keep:
+            i = keep.index(flag)
+            del keep[i:i + 2]
+    died = None
+    for attempt in (impls, [i for i in impls if i in OURS]):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "case.json")
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), *keep, "--cases", name,
+                                   "--impls", ",".join(attempt), "--child", path, "--copy-gbps", str(copy_gbps)])
+            if os.path.exists(path):
+                with open(path) as f:
+                    rec = json.load(f)
+                for i in impls:
+                    rec["impls"].setdefault(i, {"error": f"its process died (exit code {died})"})
+                return rec
+            died = proc.returncode
+    raise RuntimeError(f"case process died (exit code {died})")
 
 
 def cell(r: dict, fi_us, long: bool = False) -> str:
@@ -282,8 +291,9 @@ def main(argv=None):
     copy_gbps = args.copy_gbps or C.copy_bandwidth(dev)
     if args.child:
         lens, hq, hkv = table[names[0]]
-        with open(args.child, "w") as f:
-            json.dump(run_case(names[0], lens, hq, hkv, args, copy_gbps), f)
+        rec = run_case(names[0], lens, hq, hkv, args, copy_gbps)
+        with open(args.child, "w") as f:  # only a finished case leaves a file
+            json.dump(rec, f)
         return 0
     isolate = dev.type == "cuda" and not args.no_isolate and len(names) > 1
     results = {"device": C.gpu_name(dev), "date": C.now(), "copy_gbps": copy_gbps, "versions": C.versions(),
@@ -294,7 +304,7 @@ def main(argv=None):
         lens, hq, hkv = table[n]
         try:
             if isolate:
-                results["cases"][n] = run_isolated(n, argv, copy_gbps)
+                results["cases"][n] = run_isolated(n, argv, copy_gbps, args.impls)
             else:
                 results["cases"][n] = run_case(n, lens, hq, hkv, args, copy_gbps)
             done.append(n)

@@ -13,14 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.merge import merge_finish
+from kernels.merge import merge_finish, merge_step
 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, work_ptr, prog_ptr, seg_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, work_ptr, prog_ptr,
     out_ptr, lse_ptr, po_ptr, plse_ptr,
-    sm_scale, max_tokens, HKV,
+    sm_scale, max_tokens,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -31,7 +31,7 @@ def _decode_kernel(
     stride_plp, stride_plh,
     GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, FIXUP: tl.constexpr, IEEE: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     g = tl.program_id(0)
     p_lo = tl.load(prog_ptr + g)
@@ -103,103 +103,82 @@ def _decode_kernel(
             tl.store(po_ptr + slot64 * stride_pop + offs_h[:, None] * stride_poh + offs_d[None, :] * stride_pod,
                      o, mask=o_mask)
             tl.store(plse_ptr + slot64 * stride_plp + offs_h * stride_plh, lse, mask=h_ok)
-        if FIXUP and slot >= 0:
-            # Stream-K fix-up: the last piece of a segment to finish merges all of them, in piece
-            # order (so the bits do not depend on which program came last). The barrier and the
-            # acq_rel counter publish this program's partial before the count says it is there.
-            tl.debug_barrier()
-            seg = b * HKV + kvh
-            lo = tl.load(seg_ptr + seg)
-            hi = tl.load(seg_ptr + seg + 1)
-            arrived = tl.atomic_add(count_ptr + seg, 1, sem="acq_rel")
-            if arrived == hi - lo - 1:
-                tl.store(count_ptr + seg, 0)  # ready for the next launch or graph replay
-                _merge_pieces(po_ptr, plse_ptr, out_ptr + b * stride_ob, lse_ptr + b * stride_lb, lo, hi,
-                              kvh * GROUP, stride_pop, stride_poh, stride_pod, stride_plp, stride_plh,
-                              stride_oh, stride_od, stride_lh, GROUP, D, BLOCK_G, BLOCK_H, BLOCK_D, CHUNK)
 
 
 @triton.jit
-def _merge_pieces(po_ptr, plse_ptr, out_ptr, lse_ptr, lo, hi, h0,
-                  stride_pop, stride_poh, stride_pod, stride_plp, stride_plh, stride_oh, stride_od, stride_lh,
-                  GROUP: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
-    """Merges partial states ``lo..hi`` (in order) into heads ``h0..h0+GROUP`` of one request.
-
-    A chunk is CHUNK pieces x BLOCK_G heads = ROWS rows, loaded at once, so a segment of many
-    pieces costs a few memory round trips, not one per piece. Pass 1 finds each head's max lse;
-    pass 2 forms the weights as a [BLOCK_H, ROWS] matrix (row h holds exp(lse - max) on the rows of
-    head h, 0 elsewhere) and sums the chunk's outputs with one dot.
-    """
-    ROWS: tl.constexpr = CHUNK * BLOCK_G
-    offs_r = tl.arange(0, ROWS)
-    r_piece = offs_r // BLOCK_G
-    r_head = offs_r % BLOCK_G
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    sel = offs_h[:, None] == r_head[None, :]  # [BLOCK_H, ROWS]
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for c0 in range(lo, hi, CHUNK):
-        r_ok = (c0 + r_piece < hi) & (r_head < GROUP)
-        # .cg: partials written by other SMs during this launch must not come from L1.
-        lse = tl.load(plse_ptr + (c0 + r_piece) * stride_plp + r_head * stride_plh, mask=r_ok,
-                      other=float("-inf"), cache_modifier=".cg")
-        m = tl.maximum(m, tl.max(tl.where(sel, lse[None, :], float("-inf")), 1))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)  # a head with no keys anywhere: weights exp(-inf) = 0
-    w_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for c0 in range(lo, hi, CHUNK):
-        r_ok = (c0 + r_piece < hi) & (r_head < GROUP)
-        lse = tl.load(plse_ptr + (c0 + r_piece) * stride_plp + r_head * stride_plh, mask=r_ok,
-                      other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(po_ptr + (c0 + r_piece)[:, None] * stride_pop + r_head[:, None] * stride_poh
-                    + offs_d[None, :] * stride_pod, mask=r_ok[:, None] & (offs_d[None, :] < D), other=0.0,
-                    cache_modifier=".cg")  # [ROWS, BLOCK_D]
-        w = tl.where(sel, tl.exp(lse[None, :] - m_safe[:, None]), 0.0)  # [BLOCK_H, ROWS]
-        w_sum += tl.sum(w, 1)
-        acc += tl.dot(w, o, input_precision="ieee")
-    o, lse = merge_finish(m, w_sum, acc)
-    h_ok = offs_h < GROUP
-    h = h0 + offs_h
-    tl.store(out_ptr + h[:, None] * stride_oh + offs_d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty),
-             mask=h_ok[:, None] & (offs_d[None, :] < D))
-    tl.store(lse_ptr + h * stride_lh, lse, mask=h_ok)
+def _reduce_pieces_kernel(
+    seg_ptr, po_ptr, plse_ptr, out_ptr, lse_ptr, HKV,
+    stride_pop, stride_poh, stride_pod, stride_plp, stride_plh,
+    stride_ob, stride_oh, stride_od, stride_lb, stride_lh,
+    GROUP: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Program (segment, block of HB heads): folds the segment's partial states in piece order
+    # (deterministic). A top-level loop of independent loads, so the compiler keeps several
+    # pieces in flight; head blocks spread a heavily split segment over several SMs.
+    s = tl.program_id(0)
+    lo = tl.load(seg_ptr + s)
+    hi = tl.load(seg_ptr + s + 1)
+    if hi - lo > 1:  # a segment of one piece was written by the decode kernel itself
+        offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
+        offs_d = tl.arange(0, BLOCK_D)
+        h_ok = offs_h < GROUP
+        mask = h_ok[:, None] & (offs_d[None, :] < D)
+        m = tl.full([HB], float("-inf"), tl.float32)
+        w_sum = tl.zeros([HB], tl.float32)
+        acc = tl.zeros([HB, BLOCK_D], tl.float32)
+        for p in range(lo, hi):
+            lse = tl.load(plse_ptr + p * stride_plp + offs_h * stride_plh, mask=h_ok, other=float("-inf"))
+            o = tl.load(po_ptr + p * stride_pop + offs_h[:, None] * stride_poh + offs_d[None, :] * stride_pod,
+                        mask=mask, other=0.0)
+            m, w_sum, acc = merge_step(m, w_sum, acc, lse, o)
+        o, lse = merge_finish(m, w_sum, acc)
+        b = (s // HKV).to(tl.int64)
+        qh = (s % HKV).to(tl.int64) * GROUP + offs_h
+        tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(lse_ptr + b * stride_lb + qh * stride_lh, lse, mask=h_ok)
 
 
 def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, partial_lse, work, prog_ptr,
-               num_programs: int, block_n: int, scale: float, seg_ptr=None, counters=None,
-               num_warps: int = 4, num_stages: int = 3):  # swept on an H200
+               num_programs: int, block_n: int, scale: float, num_warps: int = 4, num_stages: int = 3):
     """Launches ``num_programs`` programs over decode pieces ``work [P, 5] int32`` (request, kv_head,
     token_start, token_end, slot). A piece with slot < 0 writes ``out``/``lse`` rows; one with a
-    slot writes ``partial_o [P, group, D]``/``partial_lse [P, group]`` fp32. With ``seg_ptr`` and
-    ``counters`` given, split segments are also merged into ``out``/``lse`` in this launch."""
+    slot writes ``partial_o [P, group, D]``/``partial_lse [P, group]`` fp32. Tuned on an H200."""
     hq, d = q.shape[1], q.shape[2]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    block_g = triton.next_power_of_2(group)
-    block_d = triton.next_power_of_2(d)
-    fixup = seg_ptr is not None
-    if not fixup:
-        seg_ptr = counters = prog_ptr  # never read without FIXUP
     _decode_kernel[(num_programs,)](
-        q, k_cache, v_cache, block_table, seq_lens, work, prog_ptr, seg_ptr, counters,
+        q, k_cache, v_cache, block_table, seq_lens, work, prog_ptr,
         out, lse, partial_o, partial_lse,
-        scale, block_table.shape[1] * bs, hkv,
+        scale, block_table.shape[1] * bs,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(), *lse.stride(),
         *partial_o.stride(), *partial_lse.stride(),
-        GROUP=group, BS=bs, D=d, BLOCK_H=max(16, block_g), BLOCK_N=block_n, BLOCK_D=block_d,  # dot: M >= 16
-        BLOCK_G=block_g, CHUNK=max(1, 64 // block_g), FIXUP=fixup,  # merge 64 (piece, head) rows at once
+        GROUP=group, BS=bs, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
+        BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
 
 
-def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float, out, lse, **launch):
+def reduce_pieces(seg_ptr, partial_o, partial_lse, out, lse, num_kv_heads: int):
+    """Merges the partial states of each split segment (``seg_ptr [B * Hkv + 1]`` into the piece
+    list) into ``out [B, Hq, D]`` and ``lse [B, Hq]``."""
+    b, hq, d = out.shape
+    group = hq // num_kv_heads
+    hb = min(triton.next_power_of_2(group), 4)
+    _reduce_pieces_kernel[(b * num_kv_heads, triton.cdiv(group, hb))](
+        seg_ptr, partial_o, partial_lse, out, lse, num_kv_heads,
+        *partial_o.stride(), *partial_lse.stride(), *out.stride(), *lse.stride(),
+        GROUP=group, D=d, HB=hb, BLOCK_D=triton.next_power_of_2(d), num_warps=4, num_stages=3,
+    )
+
+
+def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float, out, lse):
     """q [B, Hq, D]; caches [NB, BS, Hkv, D]; writes out [B, Hq, D] and lse [B, Hq] (fp32, ln)."""
     if q.shape[0] == 0:
         return
     run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan.partial_o, plan.partial_lse,
-               plan.work, plan.prog_ptr, plan.num_programs, plan.block_n, scale,
-               seg_ptr=plan.seg_ptr, counters=plan.counters, **launch)
+               plan.work, plan.prog_ptr, plan.num_programs, plan.block_n, scale)
+    reduce_pieces(plan.seg_ptr, plan.partial_o, plan.partial_lse, out, lse, k_cache.shape[2])
 
 
 def decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float, out, lse):

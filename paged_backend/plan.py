@@ -12,8 +12,7 @@ The plan cuts that line of units into program runs:
 
 The intersections of program runs and segments are *pieces*: a program runs its pieces in order
 and writes one state per piece; a segment of one piece writes the output directly, a segment of
-several is reduced in piece order by whichever of its pieces finishes last (deterministic: same
-inputs, same bits).
+several is reduced in piece order by a second kernel (deterministic: same inputs, same bits).
 
 All of it is numpy on the host, once per step; the result is one host-to-device copy into
 fixed-size buffers, reused by every layer. ``DecodePlan.update`` refills the same buffers with new
@@ -88,9 +87,8 @@ class DecodePlan:
 
     Device buffers (fixed size ``max_pieces`` so a CUDA graph can replay with new lengths):
     ``work [max_pieces, 5] int32``, ``prog_ptr [G + 1] int32``, ``seg_ptr [B * Hkv + 1] int32``,
-    the fp32 workspace for partial states ``partial_o [max_pieces, group, D]``,
-    ``partial_lse [max_pieces, group]``, and ``counters [B * Hkv] int32`` (pieces of a segment
-    finished so far; zero between launches).
+    and the fp32 workspace for partial states ``partial_o [max_pieces, group, D]``,
+    ``partial_lse [max_pieces, group]``.
     """
     batch_size: int
     num_q_heads: int
@@ -106,7 +104,6 @@ class DecodePlan:
     buffers: torch.Tensor = field(default=None, repr=False)
     partial_o: torch.Tensor = field(default=None, repr=False)
     partial_lse: torch.Tensor = field(default=None, repr=False)
-    counters: torch.Tensor = field(default=None, repr=False)
     _staging: list = field(default=None, repr=False)
     _copied: list = field(default=None, repr=False)
     _flip: int = 0
@@ -167,7 +164,6 @@ class DecodePlan:
         group = self.num_q_heads // self.num_kv_heads
         self.partial_o = torch.empty(self.max_pieces, group, self.head_dim, dtype=torch.float32, device=dev)
         self.partial_lse = torch.empty(self.max_pieces, group, dtype=torch.float32, device=dev)
-        self.counters = torch.zeros(self.batch_size * self.num_kv_heads, dtype=torch.int32, device=dev)
         if dev.type == "cuda":
             self._staging = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in range(2)]
             self._copied, self._flip = [None, None], 0
