@@ -1,13 +1,12 @@
 """Host-side planning of cascade (shared-prefix) decode: the prefix forest and its work partition.
 
 Sharing is found from the block tables themselves: requests whose leading *full* blocks hold the
-same block ids read the same K/V there (a partially filled last block is never shared). Rows are
-sorted lexicographically over their full blocks (a sentinel after the last full block), the
-longest common prefix (LCP, in blocks) of adjacent sorted rows is measured, and the forest is the
-LCP-interval tree of that array: a node = a maximal run of sorted rows whose pairwise LCP is >= its
-depth, with >= 2 requests. Nodes are visited level by level (ascending depth, vectorised per level)
-and a cost model (:class:`CascadeCost`) folds a node that does not pay off into its children: its
-tokens simply stay in each child's (or leaf's) range. Each request then owns
+same block ids read the same K/V there (a partially filled last block is never shared). The forest
+(:mod:`paged_backend.cascade_forest`) is a compressed trie over the rows' full blocks, built level
+by level with vectorised numpy: rows grouped by a block id, each compared id by id against its
+group's leader to the group's depth, then sub-grouped by the block at that depth. A cost model
+(:class:`CascadeCost`) folds a node that does not pay off into its children as nodes are produced
+(parents first): its tokens simply stay in each child's (or leaf's) range. Each request then owns
 
 - the token ranges ``[start, end)`` of its kept ancestor nodes (disjoint, block aligned), and
 - its private tail ``[shared_len, seq_len)``, run by the decode kernel.
@@ -24,11 +23,11 @@ import torch
 
 from kernels.checks import HEAD_DIMS, check_heads, debug_enabled
 from kernels.dispatch import num_sms
+from paged_backend.cascade_forest import auto_forest, group_forest
 
 NODE_FIELDS = 7  # (rep request, kv_head, member base, members in block, token_start, token_end, slot base)
 LEAF_FIELDS = 5  # (request, kv_head, token_start, token_end, slot) - the decode kernel's pieces
 NO_SPLIT_SLACK = 1.15
-_SENTINEL = np.int32(-1)  # marks the end of a row's full blocks in the sort key (ids are >= 0)
 
 
 @dataclass(frozen=True)
@@ -67,12 +66,13 @@ def _host_array(name, x, ndim):
     return arr
 
 
-def cut_programs(seg_units: np.ndarray, grid: int) -> np.ndarray:
+def cut_programs(seg_units: np.ndarray, grid: int, seg_bounds: np.ndarray | None = None) -> np.ndarray:
     """Stream-K cut points (in units, 0 and U included) of ``grid`` equal contiguous runs; whole
     segments only when they already balance the grid (then no partial states are split)."""
-    total = int(seg_units.sum())
     n_seg = seg_units.size
-    seg_bounds = np.concatenate([[0], np.cumsum(seg_units)])
+    if seg_bounds is None:
+        seg_bounds = np.concatenate([[0], np.cumsum(seg_units)])
+    total = int(seg_bounds[-1])
     longest = int(seg_units.max()) if n_seg else 0
     if n_seg >= grid and -(-n_seg // grid) * longest <= NO_SPLIT_SLACK * total / max(grid, 1):
         return seg_bounds[(np.arange(grid + 1) * n_seg) // grid]
@@ -80,139 +80,25 @@ def cut_programs(seg_units: np.ndarray, grid: int) -> np.ndarray:
 
 
 def _pieces(seg_units: np.ndarray, grid: int):
-    """-> (seg index, unit start, unit end) of each piece and prog_ptr [grid + 1]."""
-    seg_bounds = np.concatenate([[0], np.cumsum(seg_units)]).astype(np.int64)
-    prog_bounds = cut_programs(seg_units, grid)
-    cuts = np.union1d(prog_bounds, seg_bounds)
-    starts, ends = cuts[:-1], cuts[1:]
-    seg = np.searchsorted(seg_bounds, starts, side="right") - 1
-    prog_ptr = np.searchsorted(starts, prog_bounds, side="left")
-    prog_ptr = np.minimum(prog_ptr, starts.size)
-    return seg, starts - seg_bounds[seg], ends - seg_bounds[seg], prog_ptr
-
-
-def _adjacent_lcp(rows: np.ndarray, a: np.ndarray, b: np.ndarray, cap: np.ndarray) -> np.ndarray:
-    """LCP (in columns, <= cap) of rows[a[i]] and rows[b[i]]; reads only the shared columns plus
-    a geometric overshoot (chunks of 16, 32, 64, ...)."""
-    lcp = np.zeros(a.size, dtype=np.int64)
-    todo = np.flatnonzero(cap > 0)
-    pos, chunk = 0, 16
-    while todo.size:
-        end = min(pos + chunk, int(cap[todo].max()))
-        blk_a = rows[a[todo], pos:end]
-        blk_b = rows[b[todo], pos:end]
-        neq = blk_a != blk_b
-        first = np.where(neq.any(axis=1), neq.argmax(axis=1), end - pos) + pos
-        lcp[todo] = np.minimum(first, cap[todo])
-        todo = todo[(first == end) & (cap[todo] > end)]
-        pos, chunk = end, chunk * 2
-    return lcp
-
-
-def _auto_forest(table: np.ndarray, full: np.ndarray, pays):
-    """Level-wise LCP-interval tree with folding. -> (members CSR ptr, members, start blk, end blk,
-    kept depth per request)."""
-    bsz = full.size
-    kept_depth = np.zeros(bsz, dtype=np.int64)
-    empty = (np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
-    max_f = int(full.max()) if bsz else 0
-    if bsz < 2 or max_f == 0:
-        return (*empty, kept_depth)
-    # Only rows whose first full block is held by another row can share anything.
-    cand = np.flatnonzero(full > 0)
-    first = table[cand, 0]
-    o = np.argsort(first, kind="stable")
-    fs = first[o]
-    dup = np.zeros(fs.size, dtype=bool)
-    if fs.size > 1:
-        same = fs[1:] == fs[:-1]
-        dup[1:] |= same
-        dup[:-1] |= same
-    cand = np.sort(cand[o[dup]])
-    if cand.size < 2:
-        return (*empty, kept_depth)
-    width = int(full[cand].max()) + 1
-    key = np.empty((cand.size, width), dtype=np.int32)
-    key[:, : width - 1] = table[cand, : width - 1]
-    key[np.arange(cand.size), full[cand]] = _SENTINEL  # lexicographic order over full blocks only
-    order_local = np.argsort(key.view(np.dtype((np.void, 4 * width))).ravel(), kind="stable")
-    order = cand[order_local]
-    fo = full[order]
-    lcp = _adjacent_lcp(key, order_local[:-1], order_local[1:], np.minimum(fo[:-1], fo[1:]))
-    kd = np.zeros(order.size, dtype=np.int64)  # kept depth per sorted position
-    starts, ends, mem_chunks = [], [], []
-    for lvl in np.unique(lcp[lcp > 0]):
-        mask = lcp >= lvl
-        edge = np.diff(np.concatenate([[0], mask.view(np.int8), [0]]))
-        rs = np.flatnonzero(edge == 1)   # run covers lcp[rs:re] -> sorted rows rs..re
-        re = np.flatnonzero(edge == -1)
-        runs = np.unique(np.searchsorted(rs, np.flatnonzero(lcp == lvl), side="right") - 1)
-        rs, re = rs[runs], re[runs]
-        n = re - rs + 1
-        pk = kd[rs]
-        keep = pays(n, lvl - pk)
-        if not keep.any():
-            continue
-        rs, n, pk = rs[keep], n[keep], pk[keep]
-        pos = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n) + np.repeat(rs, n)
-        kd[pos] = lvl
-        starts.append(pk)
-        ends.append(np.full(rs.size, lvl, dtype=np.int64))
-        mem_chunks.append((n, order[pos]))
-    kept_depth[order] = kd
-    if not starts:
-        return (*empty, kept_depth)
-    sizes = np.concatenate([c[0] for c in mem_chunks])
-    members = np.concatenate([c[1] for c in mem_chunks])
-    ptr = np.concatenate([[0], np.cumsum(sizes)])
-    return ptr, members, np.concatenate(starts), np.concatenate(ends), kept_depth
-
-
-def _group_forest(table: np.ndarray, full: np.ndarray, groups, pays):
-    """Explicit (laminar) groups from the scheduler; each is verified: only the blocks common to
-    all its members are shared."""
-    bsz = full.size
-    if not isinstance(groups, (list, tuple)):
-        raise TypeError(f"groups must be a list of lists of batch indices, got {type(groups).__name__}")
-    gs = []
-    for i, g in enumerate(groups):
-        arr = np.asarray(g)
-        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-            raise ValueError(f"groups[{i}] must be a 1-D list of integer batch indices")
-        arr = arr.astype(np.int64)
-        if arr.size and (arr.min() < 0 or arr.max() >= bsz):
-            raise ValueError(f"groups[{i}] holds batch indices outside [0, {bsz})")
-        if np.unique(arr).size != arr.size:
-            raise ValueError(f"groups[{i}] repeats a batch index")
-        gs.append(arr)
-    owner = np.full(bsz, -1, dtype=np.int64)
-    kd = np.zeros(bsz, dtype=np.int64)
-    ptr, members, starts, ends = [0], [], [], []
-    for gi in sorted(range(len(gs)), key=lambda i: -gs[i].size):  # parents before children
-        g = gs[gi]
-        if g.size == 0:
-            continue
-        if np.unique(owner[g]).size != 1:
-            raise ValueError(f"groups must nest or be disjoint; groups[{gi}] straddles another group")
-        owner[g] = gi
-        cap = int(full[g].min())
-        depth = cap
-        if g.size > 1 and cap > 0:
-            rows = table[g, :cap]
-            neq = (rows[1:] != rows[:1]).any(axis=0)
-            depth = int(neq.argmax()) if neq.any() else cap
-        pk = int(kd[g[0]])
-        if g.size < 2 or depth <= pk or not pays(np.array([g.size]), np.array([depth - pk]))[0]:
-            continue
-        kd[g] = depth
-        members.append(np.sort(g))
-        ptr.append(ptr[-1] + g.size)
-        starts.append(pk)
-        ends.append(depth)
-    if not members:
-        return np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), kd
-    return (np.asarray(ptr, np.int64), np.concatenate(members), np.asarray(starts, np.int64),
-            np.asarray(ends, np.int64), kd)
+    """-> (seg index, unit start, unit end) of each piece and prog_ptr [grid + 1]. The pieces are
+    the segments ([1, ...] units each) cut at the program bounds that fall inside them."""
+    n = seg_units.size
+    seg_bounds = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(seg_units, out=seg_bounds[1:])
+    prog_bounds = cut_programs(seg_units, grid, seg_bounds)
+    inside = seg_bounds[np.searchsorted(seg_bounds, prog_bounds)] != prog_bounds  # bounds <= total
+    if inside.any():
+        extra = np.unique(prog_bounds[inside])
+        at = np.searchsorted(seg_bounds, extra) + np.arange(extra.size)  # their places among the cuts
+        cuts = np.insert(seg_bounds, at - np.arange(extra.size), extra)
+        new_seg = np.ones(cuts.size - 1, dtype=bool)
+        new_seg[at] = False
+        seg = np.cumsum(new_seg) - 1
+    else:
+        cuts, seg = seg_bounds, np.arange(n)
+    starts = cuts[:-1]
+    prog_ptr = np.minimum(np.searchsorted(starts, prog_bounds, side="left"), starts.size)
+    return seg, starts - seg_bounds[seg], cuts[1:] - seg_bounds[seg], prog_ptr
 
 
 def choose_block_m(rows: np.ndarray, tokens: np.ndarray, gp: int, head_dim: int) -> int:
@@ -300,9 +186,9 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
         return (n >= 2) & (own_blocks > 0) & (saved > n * cost.state_passes * state_bytes + cost.node_fixed_bytes)
 
     if groups is None:
-        ptr, members, nstart, nend, kd = _auto_forest(table, full, pays)
+        ptr, members, nstart, nend, kd = auto_forest(table, full, pays)
     else:
-        ptr, members, nstart, nend, kd = _group_forest(table, full, groups, pays)
+        ptr, members, nstart, nend, kd = group_forest(table, full, groups, pays)
     sizes = np.diff(ptr)
     saved_total = float(((sizes - 1) * (nend - nstart)).sum()) * bs * kv_tok
     if sizes.size and saved_total < cost.min_total_bytes:
@@ -359,6 +245,56 @@ def _upload(plan: CascadePlan, parts, block_table_device) -> None:
         plan.views["block_table"] = plan.views["block_table"].view(plan.batch_size, plan.block_table_host.shape[1])
 
 
+def _rank_in_runs(ids: np.ndarray) -> np.ndarray:
+    """Position of each element within its run of equal consecutive ``ids``."""
+    idx = np.arange(ids.size)
+    first = np.ones(ids.size, dtype=bool)
+    first[1:] = ids[1:] != ids[:-1]
+    return idx - np.maximum.accumulate(np.where(first, idx, 0))
+
+
+def _merge_lists(plan: CascadePlan, mpb, nrb, per_node, seg, n_in, slot_base, mbase, piece_kvh, lseg, lkey, lslot):
+    """CSR over (request, kv_head) of the partial-state slots to merge: for each, the slots of its
+    node pieces (nodes in order, then pieces in token order), then its leaf pieces'. Built by
+    counting: a node slot's place = the list's start + the pieces of its earlier nodes (an exclusive
+    cumsum over the request's memberships) + its piece's rank within the segment."""
+    hkv, bsz = plan.num_kv_heads, plan.batch_size
+    ptr, members = plan.node_ptr, plan.node_members
+    n_seg = int(per_node.sum())
+    seg_pieces = np.bincount(seg, minlength=n_seg)
+    # memberships (node-major): node, row block; pieces per (membership, kv_head)
+    m_node = np.repeat(np.arange(nrb.size), np.diff(ptr))
+    m_rb = (np.arange(members.size) - ptr[m_node]) // mpb
+    m_seg0 = (np.cumsum(per_node) - per_node)[m_node] + m_rb
+    cnt = seg_pieces[m_seg0[:, None] + np.arange(hkv)[None, :] * nrb[m_node][:, None]]  # [M, Hkv]
+    om = np.argsort(members, kind="stable")  # by request, nodes in order
+    cs = np.cumsum(cnt[om], axis=0)
+    excl = cs - cnt[om]
+    req_sorted = members[om]
+    first = np.ones(om.size, dtype=bool)
+    first[1:] = req_sorted[1:] != req_sorted[:-1]
+    last = np.append(np.flatnonzero(first)[1:], om.size) - 1
+    base = np.maximum.accumulate(np.where(first, np.arange(om.size), 0))
+    off = np.empty_like(excl)
+    off[om] = excl - excl[base]
+    count = np.zeros((bsz, hkv), dtype=np.int64)
+    count[req_sorted[last]] = cs[last] - excl[base[last]]  # node slots per (request, kv_head)
+    node_count = count.ravel().copy()
+    count = count.ravel()
+    count += np.bincount(lkey, minlength=bsz * hkv)
+    req_ptr = np.zeros(bsz * hkv + 1, dtype=np.int64)
+    np.cumsum(count, out=req_ptr[1:])
+    # node slots: (piece, member of its row block)
+    e_piece = np.repeat(np.arange(seg.size), n_in)
+    e_m = mbase[e_piece] + np.arange(e_piece.size) - np.repeat(slot_base, n_in)
+    e_kvh = piece_kvh[e_piece]
+    e_key = members[e_m] * hkv + e_kvh
+    slots = np.empty(int(req_ptr[-1]), dtype=np.int64)
+    slots[req_ptr[e_key] + off[e_m, e_kvh] + _rank_in_runs(seg)[e_piece]] = np.arange(e_piece.size)
+    slots[req_ptr[lkey] + node_count[lkey] + _rank_in_runs(lseg)] = lslot
+    return req_ptr, slots
+
+
 def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, block_table_device) -> None:
     hkv, d, bn, nbn = plan.num_kv_heads, plan.head_dim, plan.block_n, plan.node_block_n
     bsz = plan.batch_size
@@ -389,11 +325,6 @@ def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, bloc
                           plan.node_start[k] + u0 * nbn, np.minimum(plan.node_start[k] + u1 * nbn, plan.node_end[k]),
                           slot_base], axis=1)
     n_node_slots = int(n_in.sum())
-    # merge entries of node pieces: one slot per (piece, member)
-    e_piece = np.repeat(np.arange(seg.size), n_in)
-    e_off = np.arange(n_node_slots) - np.repeat(slot_base, n_in)
-    e_req = plan.node_members[mbase[e_piece] + e_off]
-    e_key_n = e_req * hkv + seg_kvh[seg][e_piece]
     # --- leaves: (request, kv_head) private tails, decode pieces
     tail = plan.seq_lens_host - plan.shared_len_host
     live = np.flatnonzero(tail > 0)
@@ -407,15 +338,14 @@ def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, bloc
     lslot = n_node_slots + np.arange(lseg.size)
     leaf_work = np.stack([lreq, lseg_kvh[lseg], lstart + l0 * bn,
                           np.minimum(lstart + l1 * bn, plan.seq_lens_host[lreq]), lslot], axis=1)
-    # --- merge lists, CSR over (request, kv_head): node slots (parents first), then the tail
-    keys = np.concatenate([e_key_n, lreq * hkv + lseg_kvh[lseg]])
-    slots = np.concatenate([np.arange(n_node_slots), lslot])
-    o = np.argsort(keys, kind="stable")
-    req_ptr = np.searchsorted(keys[o], np.arange(bsz * hkv + 1), side="left")
+    # --- merge lists, CSR over (request, kv_head): node slots (parents first, then token order),
+    # then the tail's. Counted and scattered (no sort over the slots).
+    req_ptr, slots = _merge_lists(plan, mpb, nrb, per_node, seg, n_in, slot_base, mbase, seg_kvh[seg],
+                                  lseg, lseg_req[lseg] * hkv + lseg_kvh[lseg], lslot)
     plan.num_node_pieces, plan.num_leaf_pieces = int(seg.size), int(lseg.size)
     plan.num_slots = n_node_slots + int(lseg.size)
     parts = [("node_work", node_work), ("node_prog_ptr", nprog), ("leaf_work", leaf_work),
-             ("leaf_prog_ptr", lprog), ("req_ptr", req_ptr), ("slots", slots[o]),
+             ("leaf_prog_ptr", lprog), ("req_ptr", req_ptr), ("slots", slots),
              ("members", plan.node_members), ("seq_lens", plan.seq_lens_host)]
     _upload(plan, parts, block_table_device)
     plan.views["node_work"] = plan.views["node_work"].view(-1, NODE_FIELDS)
