@@ -151,7 +151,8 @@ def run_isolated(name: str, argv, copy_gbps: float, impls) -> dict:
                 with open(path) as f:
                     rec = json.load(f)
                 for i in impls:
-                    rec["impls"].setdefault(i, {"error": f"its process died (exit code {died})"})
+                    rec["impls"].setdefault(i, {"error": f"not measured: the process running the peers died "
+                                                      f"(exit code {died})"})
                 return rec
             died = proc.returncode
     raise RuntimeError(f"case process died (exit code {died})")

@@ -59,6 +59,13 @@ def _as_host_lens(seq_lens_cpu) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+def _dedupe_sorted(a: np.ndarray) -> np.ndarray:
+    """np.unique for an already sorted array, without its sort or hashing."""
+    keep = np.ones(a.size, dtype=bool)
+    np.not_equal(a[1:], a[:-1], out=keep[1:])
+    return a[keep]
+
+
 def _program_bounds(seg_units: np.ndarray, mode: str, grid: int) -> np.ndarray:
     """Cut points (in units, including 0 and U) of the program runs; ``len - 1`` programs."""
     total = int(seg_units.sum())
@@ -71,7 +78,7 @@ def _program_bounds(seg_units: np.ndarray, mode: str, grid: int) -> np.ndarray:
         starts = np.repeat(seg_bounds[:-1], n_chunks)
         first = np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
         offs = (np.arange(int(n_chunks.sum())) - first) * np.repeat(per, n_chunks)
-        return np.unique(np.concatenate([starts + offs, [0, total]]))
+        return _dedupe_sorted(np.concatenate([starts + offs, [total]]))  # chunk starts are ascending
     # stream_k: keep whole segments when they already balance the GPU.
     n_seg = seg_units.size
     longest = int(seg_units.max()) if n_seg else 0
@@ -178,13 +185,28 @@ class DecodePlan:
         seg_bounds = np.zeros(n_seg + 1, dtype=np.int64)
         np.cumsum(seg_units, out=seg_bounds[1:])
         prog_bounds = _program_bounds(seg_units, self.mode, self.target_programs)
-        cuts = np.concatenate((prog_bounds, seg_bounds))
-        cuts.sort()
-        cuts = cuts[np.flatnonzero(np.diff(cuts, prepend=-1))]  # sorted union of both cut sets
-        starts, ends = cuts[:-1], cuts[1:]
-        n = starts.size
-        seg = np.searchsorted(seg_bounds, starts, side="right") - 1  # [P]
-        seg_ptr = np.searchsorted(starts, seg_bounds, side="left")
+        total = int(seg_bounds[-1])
+        # Pieces = segments cut again at the program bounds that fall strictly inside them. Only
+        # the G + 1 program bounds are searched, never the longer list of segment bounds.
+        cut = _dedupe_sorted(prog_bounds)
+        at = np.searchsorted(seg_bounds, cut)
+        inner = at <= n_seg
+        inner[inner] = seg_bounds[at[inner]] != cut[inner]
+        inner &= (cut > 0) & (cut < total)
+        cut, cut_seg = cut[inner], at[inner] - 1  # sorted, so grouped by segment
+        per_seg = 1 + np.bincount(cut_seg, minlength=n_seg)
+        seg_ptr = np.zeros(n_seg + 1, dtype=np.int64)
+        np.cumsum(per_seg, out=seg_ptr[1:])
+        n = int(seg_ptr[-1])
+        seg = np.repeat(np.arange(n_seg), per_seg)  # [P]
+        starts = np.empty(n, dtype=np.int64)
+        first = np.zeros(n, dtype=bool)
+        first[seg_ptr[:-1]] = True
+        starts[first] = seg_bounds[:-1]
+        starts[~first] = cut
+        ends = np.empty(n, dtype=np.int64)
+        ends[:-1] = starts[1:]
+        ends[-1:] = total
         seg_start = seg_bounds[seg]
         req = seg // hkv
         work = out[: self.max_pieces * WORK_FIELDS].reshape(-1, WORK_FIELDS)
@@ -192,8 +214,7 @@ class DecodePlan:
         work[:n, 1] = seg - req * hkv
         work[:n, 2] = (starts - seg_start) * bn
         work[:n, 3] = np.minimum((ends - seg_start) * bn, lens[req])
-        split = np.diff(seg_ptr)[seg] > 1
-        work[:n, 4] = np.where(split, np.arange(n), -1)
+        work[:n, 4] = np.where(per_seg[seg] > 1, np.arange(n), -1)
         at = self.max_pieces * WORK_FIELDS
         prog_ptr = out[at: at + g + 1]
         n_prog = prog_bounds.size - 1
