@@ -1,9 +1,11 @@
 """Public KV-cache writes."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from kernels.checks import check_kv_cache, check_shape, check_tensor, debug_enabled
+from kernels.checks import FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor, debug_enabled
+from kernels.copy_blocks import copy_blocks_torch, copy_blocks_triton
 from kernels.dispatch import use_triton
 from kernels.write_kv import write_kv_torch, write_kv_triton
 
@@ -30,3 +32,82 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
                              f"(first bad value {int(s[bad][0])})")
     fn = write_kv_triton if use_triton(k_cache) else write_kv_torch
     fn(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _cache_list(name: str, caches) -> list:
+    if isinstance(caches, torch.Tensor):
+        return [caches]
+    if isinstance(caches, (list, tuple)):
+        return list(caches)
+    raise TypeError(f"{name} must be a torch.Tensor or a list/tuple of them, got {type(caches).__name__}")
+
+
+def copy_blocks(k_caches, v_caches, block_copies) -> None:
+    """Copy block ``src`` to block ``dst`` for every ``(src, dst)`` row of ``block_copies``, in
+    every given cache, in place (copy-on-write after a fork; vLLM's ``copy_blocks``).
+
+    ``k_caches`` / ``v_caches``: one ``[NB, BS, Hkv, D]`` tensor or a list/tuple of them (one per
+    layer; any strides), all of one shape, dtype and device. ``block_copies``: ``[K, 2]`` int64
+    tensor on the caches' device, or a CPU tensor / numpy array (moved there; e.g. the
+    scheduler's ``ScheduledBatch.block_copies``).
+
+    Rules: ids in ``[0, NB)``; each ``dst`` at most once; ``src == dst`` is a no-op; no chains - a
+    block that is the ``dst`` of a copy cannot be the ``src`` of another (pairs with
+    ``src == dst`` aside), so the copies are independent and their order does not matter. Checked
+    (``ValueError``) when the ids are on the host (numpy, CPU tensor) or with
+    ``PAGED_BACKEND_DEBUG=1``; otherwise the kernel still never touches a pair with an id outside
+    ``[0, NB)``, and a duplicate ``dst`` or a chain leaves those blocks unspecified.
+    """
+    ks = _cache_list("k_caches", k_caches)
+    vs = _cache_list("v_caches", v_caches)
+    if not ks:
+        raise ValueError("k_caches must hold at least one cache")
+    if len(vs) != len(ks):
+        raise ValueError(f"v_caches must hold as many caches as k_caches ({len(ks)}), got {len(vs)}")
+    k0 = ks[0]
+    check_tensor("k_caches[0]", k0, ndim=4, dtypes=FLOAT_DTYPES)
+    for name, group in (("k_caches", ks), ("v_caches", vs)):
+        for i, c in enumerate(group):
+            nm = f"{name}[{i}]"
+            check_tensor(nm, c, ndim=4, dtypes=FLOAT_DTYPES, device=k0.device)
+            if c.shape != k0.shape:
+                raise ValueError(f"{nm} shape {list(c.shape)} must equal k_caches[0] shape {list(k0.shape)}")
+            if c.dtype != k0.dtype:
+                raise TypeError(f"{nm} dtype {c.dtype} must equal k_caches[0] dtype {k0.dtype}")
+    nb = k0.shape[0]
+    device = k0.device
+
+    if isinstance(block_copies, np.ndarray):
+        if block_copies.dtype != np.int64:
+            raise TypeError(f"block_copies must have dtype int64, got {block_copies.dtype}")
+        block_copies = torch.from_numpy(np.array(block_copies, copy=True))  # contiguous, writable
+    check_tensor("block_copies", block_copies, ndim=2, dtypes=(torch.int64,))
+    check_shape("block_copies", block_copies, (None, 2))
+    on_host = block_copies.device.type == "cpu"
+    if not on_host and block_copies.device != device:
+        raise ValueError(f"block_copies must be on {device} like the caches (or on the CPU), "
+                         f"got {block_copies.device}")
+    if block_copies.shape[0] == 0:
+        return
+    if on_host or debug_enabled():
+        _check_block_copies(block_copies.cpu(), nb)
+    if block_copies.device != device:
+        block_copies = block_copies.to(device)
+    fn = copy_blocks_triton if use_triton(k0) else copy_blocks_torch
+    fn(ks, vs, block_copies)
+
+
+def _check_block_copies(c: torch.Tensor, nb: int) -> None:
+    bad = (c < 0) | (c >= nb)
+    if bad.any():
+        raise ValueError(f"block_copies holds {int(bad.sum())} block ids outside [0, {nb}) "
+                         f"(first bad value {int(c[bad][0])})")
+    src, dst = c[:, 0], c[:, 1]
+    uniq, counts = torch.unique(dst, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"block_copies has dst block {int(uniq[counts > 1][0])} more than once")
+    moved = src != dst
+    chained = torch.isin(src[moved], dst[moved])
+    if chained.any():
+        raise ValueError(f"block_copies block {int(src[moved][chained][0])} is both the dst of one copy "
+                         f"and the src of another (chains are not allowed)")

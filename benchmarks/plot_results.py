@@ -1,0 +1,88 @@
+"""Plots of the saved benchmark results into docs/img/ (PNG).
+
+    python3 benchmarks/plot_results.py [--gpu h200]
+
+Reads benchmarks/results/<gpu>.json (decode, cascade) and parallel_<gpu>x{2,4}.json.
+Needs matplotlib (the `bench` extra).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+IMG = os.path.join(ROOT, "docs", "img")
+
+
+def plot_decode(dec: dict, path: str) -> None:
+    names = list(dec["cases"])
+    impls = [("ours_sk", "ours (stream-K)"), ("flashinfer", "FlashInfer 0.2.14"), ("xformers@graph", "xformers split-K (graph)"),
+             ("sdpa", "torch SDPA flash (dense KV)")]
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    width = 0.8 / len(impls)
+    for j, (key, label) in enumerate(impls):
+        vals = [dec["cases"][c]["impls"].get(key, {}).get("pct_copy") or 0 for c in names]
+        ax.bar([i + j * width for i in range(len(names))], vals, width, label=label)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=20)
+    ax.set_ylabel("% of measured copy bandwidth")
+    ax.set_title(f"Paged decode, bf16 Hq32 Hkv8 D128 page 16 ({dec['device']}, copy {dec['copy_gbps']:.0f} GB/s)")
+    ax.axhline(100, color="grey", lw=0.5)
+    ax.legend(fontsize=8, ncol=4, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_parallel(runs: dict, path: str) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, b in zip(axes, (1, 8)):
+        for world, recs in sorted(runs.items()):
+            for kind, style in (("tree", "-o"), ("ring", "--x"), ("single", ":s")):
+                if kind == "single" and world != max(runs):
+                    continue
+                pts = sorted((r["ctx"], r["latency_us"]) for r in recs
+                             if r.get("kind") == kind and r.get("B") == b and r.get("strategy", "auto") == "auto")
+                if pts:
+                    label = "one GPU" if kind == "single" else f"{kind}, {world} GPUs"
+                    ax.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (K tokens)")
+        ax.set_title(f"B = {b}")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("decode latency (us)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("Sequence-parallel decode on H200s (NCCL, NVLink): tree merge vs ring vs one GPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpu", default="h200")
+    args = ap.parse_args()
+    os.makedirs(IMG, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{args.gpu}.json")) as f:
+        bench = json.load(f)["benchmarks"]
+    plot_decode(bench["decode"], os.path.join(IMG, f"decode_{args.gpu}.png"))
+    runs = {}
+    for world in (2, 4):
+        p = os.path.join(RESULTS, f"parallel_{args.gpu}x{world}.json")
+        if os.path.exists(p):
+            with open(p) as f:
+                runs[world] = json.load(f)["records"]
+    if runs:
+        plot_parallel(runs, os.path.join(IMG, f"parallel_{args.gpu}.png"))
+    print("wrote", sorted(os.listdir(IMG)))
+
+
+if __name__ == "__main__":
+    main()
