@@ -66,23 +66,24 @@ def host_time_us(fn, calls: int = 200) -> float:
     return times[len(times) // 2] * 1e6
 
 
-def graph_time_us(fns, warmup_ms: int = 50, rep_ms: int = 200) -> float:
-    """Median time of replaying ``fns`` (each captured once in its own CUDA graph, rotated), in
-    microseconds: the kernels' time without Python launch overhead, as a serving engine that
-    captures its decode step sees it. Each fn is warmed up on a side stream before capture."""
-    graphs = []
+def graph_time_us(fns, warmup_ms: int = 50, rep_ms: int = 200, calls: int = 10) -> float:
+    """Median time per call of ``fns`` replayed from one CUDA graph, in microseconds: the kernels'
+    time without Python launch overhead, as a serving engine sees it when it captures a decode step
+    of many layers. The graph holds ``calls`` calls (at least one per input set), cycling through
+    the input sets so the L2 cannot serve a repeat. Each fn is warmed up on a side stream first."""
+    seq = [fns[i % len(fns)] for i in range(max(calls, len(fns)))]
     side = torch.cuda.Stream()
-    for fn in fns:
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
             fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in seq:
             fn()
-        graphs.append(g)
     torch.cuda.synchronize()
-    return time_us(rotate([g.replay for g in graphs]), "cuda", warmup_ms, rep_ms)
+    return time_us(graph.replay, "cuda", warmup_ms, rep_ms) / len(seq)
 
 
 def rotate(fns):
