@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attend import attend_paged_tile, finish_state
 from kernels.decode import run_pieces
 from kernels.merge import merge_finish, merge_step
 
@@ -67,31 +68,11 @@ def _cascade_node_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for n0 in range(start, end, BLOCK_N):
             tok = n0 + offs_n
-            t_ok = tok < end
-            page = tl.load(bt_ptr + rep * stride_btb + (tok // BS) * stride_btn, mask=t_ok, other=0).to(tl.int64)
-            row = (tok % BS).to(tl.int64)
-            kv_mask = t_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + (page * stride_kb + row * stride_ks + kvh * stride_kh)[:, None]
-                        + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            pr = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            v = tl.load(v_ptr + (page * stride_vb + row * stride_vs + kvh * stride_vh)[:, None]
-                        + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-            m_i = m_new
-        empty = l_i == 0.0
-        o = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+            page = tl.load(bt_ptr + rep * stride_btb + (tok // BS) * stride_btn, mask=tok < end, other=0)
+            m_i, l_i, acc = attend_paged_tile(q, m_i, l_i, acc, k_ptr, v_ptr, page, tok, end, kvh, offs_d, d_ok,
+                                              qk_scale, stride_kb, stride_ks, stride_kh, stride_kd,
+                                              stride_vb, stride_vs, stride_vh, stride_vd, BS, IEEE)
+        o, lse = finish_state(m_i, l_i, acc)
         slot = (slot_base + mem).to(tl.int64)
         tl.store(po_ptr + slot[:, None] * stride_pop + hh[:, None] * stride_poh + offs_d[None, :] * stride_pod,
                  o, mask=row_ok[:, None] & d_ok[None, :])

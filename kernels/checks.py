@@ -117,3 +117,24 @@ def check_block_table(block_table, seq_lens, num_blocks: int, block_size: int, b
 def check_out(name: str, out, shape: tuple, dtype, device) -> None:
     check_tensor(name, out, dtypes=(dtype,), device=device)
     check_shape(name, out, shape)
+
+
+def check_attention_inputs(q, k_cache, v_cache, scale):
+    """q [*, Hq, D] against a ``[NB, BS, Hkv, D]`` cache pair -> ``(NB, BS, Hkv, D, Hq, scale)``."""
+    nb, bs, hkv, d = check_kv_cache(k_cache, v_cache)
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, device=k_cache.device)
+    if q.dtype != k_cache.dtype:
+        raise TypeError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
+    check_shape("q", q, (None, None, d))
+    hq = q.shape[1]
+    check_heads(hq, hkv)
+    return nb, bs, hkv, d, hq, check_scale(scale, d)
+
+
+def check_plan_matches(name: str, plan, device, **want) -> None:
+    """Each ``plan.<key>`` must equal ``want[key]`` and the plan must live on ``device``."""
+    for key, val in want.items():
+        if getattr(plan, key) != val:
+            raise ValueError(f"{name}.{key} is {getattr(plan, key)} but the inputs have {val}")
+    if plan.device != device:
+        raise ValueError(f"{name} is on {plan.device} but the inputs are on {device}")

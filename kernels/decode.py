@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attend import attend_paged_tile, finish_state
 from kernels.merge import merge_finish, merge_step
 
 
@@ -62,37 +63,15 @@ def _decode_kernel(
         page = tl.load(bt_row + (tok // BS) * stride_btn, mask=tok < end, other=0)
         for n0 in range(start, end, BLOCK_N):
             tok = n0 + offs_n
-            t_ok = tok < end
             # Fetch the next tile's page ids now, so the K/V loads of the next iteration do not
             # wait on a dependent block-table load.
             nxt = tok + BLOCK_N
             page_next = tl.load(bt_row + (nxt // BS) * stride_btn, mask=nxt < end, other=0)
-            row = (tok % BS).to(tl.int64)
-            page64 = page.to(tl.int64)
-            kv_mask = t_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + (page64 * stride_kb + row * stride_ks + kvh * stride_kh)[:, None]
-                        + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            # Every tile holds at least one live token, so m_new is finite after the first.
-            s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            pr = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            v = tl.load(v_ptr + (page64 * stride_vb + row * stride_vs + kvh * stride_vh)[:, None]
-                        + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = attend_paged_tile(q, m_i, l_i, acc, k_ptr, v_ptr, page, tok, end, kvh, offs_d, d_ok,
+                                              qk_scale, stride_kb, stride_ks, stride_kh, stride_kd,
+                                              stride_vb, stride_vs, stride_vh, stride_vd, BS, IEEE)
             page = page_next
-        empty = l_i == 0.0
-        o = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        o, lse = finish_state(m_i, l_i, acc)
         o_mask = h_ok[:, None] & d_ok[None, :]
         if slot < 0:  # the segment's only piece: write the output itself
             tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :] * stride_od,

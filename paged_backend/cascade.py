@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels.cascade import cascade_torch, cascade_triton
-from kernels.checks import FLOAT_DTYPES, check_heads, check_kv_cache, check_scale, check_shape, check_tensor
+from kernels.checks import check_attention_inputs, check_plan_matches
 from kernels.decode import decode_triton
 from kernels.dispatch import use_triton
 from paged_backend.cascade_plan import CascadeCost, CascadePlan, plan_cascade
@@ -32,20 +32,10 @@ def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         raise TypeError(f"cplan must be a CascadePlan from pb.plan_cascade, got {type(cplan).__name__}")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    nb, bs, hkv, d = check_kv_cache(k_cache, v_cache)
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, device=k_cache.device)
-    if q.dtype != k_cache.dtype:
-        raise TypeError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
-    check_shape("q", q, (None, None, d))
-    batch, hq = q.shape[0], q.shape[1]
-    check_heads(hq, hkv)
-    scale = check_scale(scale, d)
-    want = dict(batch_size=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs)
-    for key, val in want.items():
-        if getattr(cplan, key) != val:
-            raise ValueError(f"cplan.{key} is {getattr(cplan, key)} but the inputs have {val}")
-    if cplan.device != q.device:
-        raise ValueError(f"cplan is on {cplan.device} but the inputs are on {q.device}")
+    nb, bs, hkv, d, hq, scale = check_attention_inputs(q, k_cache, v_cache, scale)
+    batch = q.shape[0]
+    check_plan_matches("cplan", cplan, q.device, batch_size=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                       block_size=bs)
     if cplan.max_block_id >= nb:
         raise ValueError(f"cplan's block table uses block id {cplan.max_block_id} but k_cache holds {nb} blocks")
     out = torch.empty(batch, hq, d, dtype=q.dtype, device=q.device)

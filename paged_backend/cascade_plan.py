@@ -297,7 +297,6 @@ def _merge_lists(plan: CascadePlan, mpb, nrb, per_node, seg, n_in, slot_base, mb
 
 def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, block_table_device) -> None:
     hkv, d, bn, nbn = plan.num_kv_heads, plan.head_dim, plan.block_n, plan.node_block_n
-    bsz = plan.batch_size
     sms = num_sms(plan.device)
     gp = 1 << max(0, (group - 1).bit_length())
     sizes = np.diff(plan.node_ptr)

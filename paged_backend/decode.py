@@ -6,8 +6,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kernels.checks import FLOAT_DTYPES, check_block_table, check_heads, check_kv_cache, check_scale, check_shape, \
-    check_tensor
+from kernels.checks import check_attention_inputs, check_block_table, check_plan_matches
 from kernels.decode import decode_torch, decode_triton
 from kernels.dispatch import use_triton
 from paged_backend.plan import DecodePlan, plan_decode
@@ -19,17 +18,6 @@ def _capacity_plan(batch: int, capacity: int, hq: int, hkv: int, d: int, bs: int
     # piece by the device lengths, so the result is exact (only the balance suffers).
     return plan_decode(np.full(batch, capacity), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                        block_size=bs, device=device)
-
-
-def _check_plan(plan, batch, hq, hkv, d, bs, device) -> None:
-    if not isinstance(plan, DecodePlan):
-        raise TypeError(f"plan must be a DecodePlan from pb.plan_decode, got {type(plan).__name__}")
-    want = dict(batch_size=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs)
-    for key, val in want.items():
-        if getattr(plan, key) != val:
-            raise ValueError(f"plan.{key} is {getattr(plan, key)} but the inputs have {val}")
-    if plan.device != device:
-        raise ValueError(f"plan is on {plan.device} but the inputs are on {device}")
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -46,16 +34,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     lets lengths be checked without reading the device; without one, a plan sized by the table's
     capacity is used (exact, but ragged batches are balanced worse).
     """
-    nb, bs, hkv, d = check_kv_cache(k_cache, v_cache)
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, device=k_cache.device)
-    if q.dtype != k_cache.dtype:
-        raise TypeError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
-    check_shape("q", q, (None, None, d))
-    batch, hq = q.shape[0], q.shape[1]
-    check_heads(hq, hkv)
-    scale = check_scale(scale, d)
+    nb, bs, hkv, d, hq, scale = check_attention_inputs(q, k_cache, v_cache, scale)
+    batch = q.shape[0]
     if plan is not None:
-        _check_plan(plan, batch, hq, hkv, d, bs, q.device)
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan must be a DecodePlan from pb.plan_decode, got {type(plan).__name__}")
+        check_plan_matches("plan", plan, q.device, batch_size=batch, num_q_heads=hq, num_kv_heads=hkv,
+                           head_dim=d, block_size=bs)
     check_block_table(block_table, seq_lens, nb, bs, batch, q.device,
                       seq_lens_host=None if plan is None else plan.seq_lens_host)
     out = torch.empty(batch, hq, d, dtype=q.dtype, device=q.device)

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.checks import FLOAT_DTYPES, check_block_table, check_heads, check_kv_cache, check_scale, check_shape, \
-    check_tensor, debug_enabled
+from kernels.checks import check_attention_inputs, check_block_table, check_tensor, debug_enabled
 from kernels.dispatch import use_triton
 from kernels.prefill import prefill_torch, prefill_triton
 
@@ -70,14 +69,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     keeps them). They are only used to validate values without reading the GPU (the kernel itself
     never needs them); without them GPU values are checked only with ``PAGED_BACKEND_DEBUG=1``.
     """
-    nb, bs, hkv, d = check_kv_cache(k_cache, v_cache)
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, device=k_cache.device)
-    if q.dtype != k_cache.dtype:
-        raise TypeError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
-    check_shape("q", q, (None, None, d))
-    num_tokens, hq = q.shape[0], q.shape[1]
-    check_heads(hq, hkv)
-    scale = check_scale(scale, d)
+    nb, bs, hkv, d, hq, scale = check_attention_inputs(q, k_cache, v_cache, scale)
+    num_tokens = q.shape[0]
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=q.device)

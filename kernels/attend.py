@@ -1,0 +1,49 @@
+"""Device helpers shared by the paged attention kernels (decode, cascade nodes).
+
+Scores live in the exp2 domain (``qk_scale = scale * log2(e)``); the state a kernel stores is
+converted back to natural log by :func:`finish_state`.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_paged_tile(q, m_i, l_i, acc, k_ptr, v_ptr, page, tok, end, kvh, offs_d, d_ok, qk_scale,
+                      stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+                      BS: tl.constexpr, IEEE: tl.constexpr):
+    """One online-softmax step of the rows ``q [M, BLOCK_D]`` over the tokens ``tok [N]`` whose
+    pages are ``page [N]`` (any cache strides); tokens >= ``end`` are masked. The tile must hold
+    at least one live token, so the running max is finite after the first step.
+    -> updated (m_i [M], l_i [M], acc [M, BLOCK_D]) fp32."""
+    t_ok = tok < end
+    row = (tok % BS).to(tl.int64)
+    page64 = page.to(tl.int64)
+    kv_mask = t_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + (page64 * stride_kb + row * stride_ks + kvh * stride_kh)[:, None]
+                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    if IEEE:  # fp32 inputs: no tf32 rounding
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))  # [M, N]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    pr = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(pr, 1)
+    v = tl.load(v_ptr + (page64 * stride_vb + row * stride_vs + kvh * stride_vh)[:, None]
+                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def finish_state(m_i, l_i, acc):
+    """(m_i, l_i, acc) in the exp2 domain -> (o [M, D], lse [M] natural log); rows that saw no
+    key give o = 0, lse = -inf."""
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    return o, lse
