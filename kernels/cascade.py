@@ -127,7 +127,7 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
     v = plan.views
     bt = v["block_table"]
     po, plse = plan.partial_o, plan.partial_lse
-    if plan.num_node_pieces:
+    def nodes():
         bm = plan.block_m
         _cascade_node_kernel[(plan.node_programs,)](
             q, k_cache, v_cache, bt, v["members"], v["node_work"], v["node_prog_ptr"], po, plse,
@@ -136,9 +136,27 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
             GROUP=group, GP=gp, BS=bs, D=d, BLOCK_M=bm, BLOCK_N=plan.node_block_n, BLOCK_D=block_d, IEEE=ieee,
             num_warps=8 if bm >= 128 else 4, num_stages=2,
         )
-    if plan.num_leaf_pieces:  # private tails: decode pieces that only write partial states
+
+    def tails():  # private tails: decode pieces that only write partial states
         run_pieces(q, k_cache, v_cache, bt, v["seq_lens"], out, lse, po, plse, v["leaf_work"],
                    v["leaf_prog_ptr"], plan.leaf_programs, plan.block_n, scale)
+
+    if q.is_cuda and plan.num_node_pieces and plan.num_leaf_pieces:
+        # Node GEMMs and tail decode write disjoint slots and neither fills the memory system
+        # alone: run them side by side, forked and joined on the stream (CUDA-graph capturable).
+        main = torch.cuda.current_stream(q.device)
+        if plan.side_stream is None:
+            plan.side_stream = torch.cuda.Stream(q.device)
+        plan.side_stream.wait_stream(main)
+        with torch.cuda.stream(plan.side_stream):
+            nodes()
+        tails()
+        main.wait_stream(plan.side_stream)
+    else:
+        if plan.num_node_pieces:
+            nodes()
+        if plan.num_leaf_pieces:
+            tails()
     _cascade_merge_kernel[(b * hkv,)](
         v["req_ptr"], v["slots"], po, plse, out, lse, hkv,
         *po.stride(), *plse.stride(), *out.stride(), *lse.stride(),

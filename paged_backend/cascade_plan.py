@@ -149,6 +149,7 @@ class CascadePlan:
     views: dict = field(default_factory=dict, repr=False)
     partial_o: torch.Tensor = field(default=None, repr=False)
     partial_lse: torch.Tensor = field(default=None, repr=False)
+    side_stream: object = field(default=None, repr=False)  # CUDA stream the node kernel runs on
 
     @property
     def num_nodes(self) -> int:

@@ -348,3 +348,36 @@ def test_plan_time_1024_requests_2k_blocks():
     assert ptr.size == 1
     print(f"prefix forest of 1024 unrelated requests: min {min(times) * 1e6:.0f} us")
     assert min(times) < 0.01  # ~60 us measured; generous for a loaded CI machine
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("prefix,n,suffix", [(4096, 16, 300), (1000, 64, 17), (160, 3, 0)])
+def test_gpu_shared_prefix_exact_and_graph_replay(dtype, prefix, n, suffix):
+    bs, hq, hkv, d = 16, 32, 8, 128
+    rng = np.random.default_rng(prefix + n)
+    shared = prefix // bs  # only full blocks are shared
+    nb = shared + n * (-(-(prefix + suffix) // bs) - shared) + 4
+    perm = rng.permutation(nb).astype(np.int32)
+    cols = -(-(prefix + suffix) // bs)
+    table = np.zeros((n, cols), dtype=np.int32)
+    table[:, :shared] = perm[:shared]
+    table[:, shared:] = perm[shared: shared + n * (cols - shared)].reshape(n, cols - shared)
+    lens = np.full(n, prefix + suffix, dtype=np.int64)
+    k, v = make_cache(nb, bs, hkv, d, dtype, device="cuda", layout="vllm")
+    q = torch.randn(n, hq, d, device="cuda").to(dtype)
+    bt = torch.from_numpy(table).cuda()
+    sl = torch.from_numpy(lens.astype(np.int32)).cuda()
+    cplan = pb.plan_cascade(table, lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                            device="cuda", cost=KEEP_ALL, block_table_device=bt)
+    assert shared == 0 or not cplan.is_flat
+    out, lse = pb.cascade_decode(q, k, v, cplan)
+    ref_o, ref_l = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu())
+    assert_close_state(out, lse, ref_o, ref_l, dtype)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = pb.cascade_decode(q, k, v, cplan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
