@@ -7,7 +7,9 @@ bf16, Hq 32, Hkv 8, D 128, page 16, pages shuffled; B = 1 and 8; contexts 128K, 
 bytes each rank sends per decode step (computed from the algorithm), peak memory
 (``torch.cuda.max_memory_allocated`` reset per case; it includes the rank's KV shard). The one-GPU
 baseline is rank 0 alone decoding the whole context with ``pb.paged_decode``. Also times
-``tree_merge`` alone per strategy against one 4 KB all-reduce. On a machine without CUDA it runs on
+``tree_merge`` alone per strategy against one 4 KB all-reduce: the function, a held ``TreeMerger``
+(no checks), and the merger captured in a CUDA graph (if NCCL capture works; else the error is
+recorded), with the GPU operations per call from the profiler. On a machine without CUDA it runs on
 gloo/CPU (a smoke test: pass small ``--contexts``).
 """
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 import paged_backend as pb  # noqa: E402
 from paged_backend.context_parallel import (Placement, cp_decode, ring_bytes_per_step, ring_decode,  # noqa: E402
                                             shard_paged_kv)
-from paged_backend.parallel import make_hierarchy, pick_strategy, tree_merge  # noqa: E402
+from paged_backend.parallel import TreeMerger, make_hierarchy, pick_strategy, tree_merge  # noqa: E402
 
 K = 1024
 
@@ -95,6 +97,48 @@ class Bench:
         if collective:
             dist.all_reduce(med, op=dist.ReduceOp.MAX)
         return float(med)
+
+    def graph_us(self, fn):
+        """``(median us of replaying fn captured in a CUDA graph, None)``, or ``(None, error)`` when the
+        capture fails on any rank (NCCL collectives can be captured on recent torch/NCCL; an engine
+        captures its decode step, so this is the merge cost it would see)."""
+        if not self.cuda:
+            return None, "no CUDA"
+        err = None
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm up off the capture stream (plans, buffers, Triton)
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+        ok = torch.tensor([0 if err else 1], dtype=torch.int32, device=self.dev)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # replay only if every rank captured (else peers hang)
+        if not int(ok):
+            return None, err or "capture failed on another rank"
+        return self.time_us(graph.replay), None
+
+    def gpu_ops_per_call(self, fn):
+        """GPU activities (kernels, incl. NCCL's, and memcpy/memset) of one call, from the profiler."""
+        if not self.cuda:
+            return None
+        try:
+            from torch.profiler import ProfilerActivity, profile
+            fn()
+            self.sync()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                self.sync()
+            return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        except Exception:  # noqa: BLE001
+            return None
 
     def reset_peak(self):
         if self.cuda:
@@ -174,7 +218,9 @@ class Bench:
         # one small all-reduce: the unit the merge overhead is compared with
         small = torch.ones(1024, dtype=torch.float32, device=self.dev)
         t_small = self.time_us(lambda: dist.all_reduce(small))
-        self.record(kind="allreduce_4KB", world=self.world, latency_us=t_small)
+        t_small_graph, err = self.graph_us(lambda: dist.all_reduce(small))
+        self.record(kind="allreduce_4KB", world=self.world, latency_us=t_small, graph_us=t_small_graph,
+                    graph_error=err)
         for b in batches:
             q = self.query(b, hq, d)
             o0 = torch.randn(b, hq, d, device=self.dev, dtype=self.dtype)
@@ -182,8 +228,17 @@ class Bench:
             for strat in ("auto", "allreduce", "allgather"):
                 used = pick_strategy(o0, lse0, strat)
                 t = self.time_us(lambda: tree_merge(o0, lse0, strategy=strat, hierarchy=hier))
+                # what an engine does: hold a TreeMerger, skip the checks, and capture the step in a graph
+                merger = TreeMerger(strategy=strat, hierarchy=hier, max_plans=None)
+                t_obj = self.time_us(lambda: merger.merge(o0, lse0, check=False))
+                t_graph, err = self.graph_us(lambda: merger.merge(o0, lse0, check=False))
                 self.record(kind="merge", world=self.world, B=b, strategy=strat, used=used, latency_us=t,
-                            vs_small_allreduce=t / t_small, comm_bytes=tree_bytes(b, hq, d, esize, self.world, used))
+                            merger_us=t_obj, graph_us=t_graph, graph_error=err,
+                            gpu_ops_per_call=self.gpu_ops_per_call(lambda: merger.merge(o0, lse0, check=False)),
+                            vs_small_allreduce=t / t_small,
+                            graph_vs_small_allreduce_graph=t_graph / t_small_graph if t_graph and t_small_graph
+                            else None,
+                            comm_bytes=tree_bytes(b, hq, d, esize, self.world, used))
             for ctx in contexts:
                 self.case(b, ctx, q, hq, hkv, d, bs, esize, hier)
         return self.records
@@ -282,10 +337,19 @@ def summary(records, world) -> str:
                      f"{cell(c.get('ring'), 28)} | {f('single_over_tree'):>9} {f('ring_over_tree'):>9} "
                      f"{f('tree_peak_over_ring'):>7}")
     small = [r for r in records if r["kind"] == "allreduce_4KB"]
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    if small:
+        lines.append(f"one 4 KB all-reduce: {small[0]['latency_us']:.1f} us eager, "
+                     f"{fmt(small[0].get('graph_us'))} us in a CUDA graph")
     for r in records:
         if r["kind"] == "merge":
-            lines.append(f"merge B={r['B']} {r['strategy']:>9} ({r['used']}): {r['latency_us']:.1f} us = "
-                         f"{r['vs_small_allreduce']:.2f}x one 4 KB all-reduce ({small[0]['latency_us']:.1f} us)")
+            lines.append(f"merge B={r['B']} {r['strategy']:>9} ({r['used']}): tree_merge {r['latency_us']:.1f} us = "
+                         f"{r['vs_small_allreduce']:.2f}x one 4 KB all-reduce; TreeMerger {fmt(r.get('merger_us'))}"
+                         f" us; CUDA graph {fmt(r.get('graph_us'))} us"
+                         + (f" = {r['graph_vs_small_allreduce_graph']:.2f}x the graphed all-reduce"
+                            if r.get("graph_vs_small_allreduce_graph") else "")
+                         + (f" ({r['graph_error']})" if r.get("graph_error") else "")
+                         + (f"; {r['gpu_ops_per_call']} GPU ops/call" if r.get("gpu_ops_per_call") else ""))
     return "\n".join(lines)
 
 

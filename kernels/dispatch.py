@@ -1,5 +1,8 @@
 """Which implementation runs an op: Triton kernels for CUDA tensors, and for CPU tensors too when
-``TRITON_INTERPRET=1`` (how CI tests the kernels); otherwise the vectorised torch version."""
+``TRITON_INTERPRET=1`` (how CI tests the kernels); otherwise the vectorised torch version.
+
+The interpreter cannot do bf16 arithmetic (Triton 3.6-3.9 return garbage), so bf16 CPU tensors
+always take the torch version rather than give wrong results."""
 from __future__ import annotations
 
 import os
@@ -10,7 +13,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or INTERPRET
+    return t.is_cuda or (INTERPRET and t.dtype != torch.bfloat16)
 
 
 def num_sms(device: torch.device) -> int:

@@ -112,3 +112,127 @@ def merge_torch(o_stack: torch.Tensor, lse_stack: torch.Tensor, out: torch.Tenso
     out.copy_(acc / torch.where(empty, torch.ones_like(w_sum), w_sum)[..., None])
     out_lse.copy_(torch.where(empty, torch.full_like(m, float("-inf")),
                               m_safe + torch.log(torch.where(empty, torch.ones_like(w_sum), w_sum))))
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-rank merging (paged_backend.parallel): kernels that read/write the collectives' packed
+# buffers directly, so a merge costs one launch on each side of the collective. Rows (a row = one
+# (token, head)) are contiguous: o row r at r * D, lse at r.
+
+def rows_config(rows: int, d: int):
+    """(grid, BLOCK_R, BLOCK_D) of the row kernels below (compute once per shape)."""
+    block_d = triton.next_power_of_2(d)
+    block_r = max(1, min(16, 4096 // block_d))
+    return (triton.cdiv(rows, block_r),), block_r, block_d
+
+
+@triton.jit
+def _merge_gathered_kernel(lse_ptr, o_ptr, out_ptr, out_lse_ptr, N, R, stride_ln, stride_on,
+                           D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # N states laid out one after the other with element strides stride_ln / stride_on (e.g. the
+    # per-rank rows of an all-gather buffer), folded in index order; contiguous rows otherwise.
+    pid = tl.program_id(0)
+    rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < R
+    mask = row_ok[:, None] & (offs_d[None, :] < D)
+    lse_p = lse_ptr + rows
+    o_p = o_ptr + rows[:, None] * D + offs_d[None, :]
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    w_sum = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for _ in range(N):
+        lse = tl.load(lse_p, mask=row_ok, other=float("-inf")).to(tl.float32)
+        o = tl.load(o_p, mask=mask, other=0.0).to(tl.float32)
+        m, w_sum, acc = merge_step(m, w_sum, acc, lse, o)
+        lse_p += stride_ln  # pointer increments: 64-bit, no n * stride overflow
+        o_p += stride_on
+    out, lse_out = merge_finish(m, w_sum, acc)
+    tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_lse_ptr + rows, lse_out, mask=row_ok)
+
+
+def merge_gathered_triton(lse_all: torch.Tensor, o_all: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor,
+                          cfg=None):
+    """lse_all [N, T, H] fp32, o_all [N, T, H, D]: per-state strides free, each state's rows contiguous
+    (``stride(-1) == 1``, ``stride(-2) == D``, ``stride(-3) == H*D``; lse likewise); out [T, H, D],
+    out_lse [T, H] contiguous. ``cfg``: :func:`rows_config` of ``(T*H, D)``, to skip recomputing it."""
+    n, t, h, d = o_all.shape
+    if t * h == 0:
+        return
+    grid, block_r, block_d = cfg or rows_config(t * h, d)
+    _merge_gathered_kernel[grid](lse_all, o_all, out, out_lse, n, t * h, lse_all.stride(0), o_all.stride(0),
+                                 D=d, BLOCK_R=block_r, BLOCK_D=block_d)
+
+
+@triton.jit
+def _weigh_pack_kernel(o_ptr, lse_ptr, m_ptr, buf_ptr, R,
+                       D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # buf[r] = [o[r] * w | w], w = exp(lse[r] - m[r]) (m = the max over ranks; shift by 0 where it
+    # is -inf, so empty rows give w = 0, never NaN). buf rows are D + 1 fp32.
+    pid = tl.program_id(0)
+    rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < R
+    mask = row_ok[:, None] & (offs_d[None, :] < D)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("-inf"))
+    m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)
+    w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))
+    o = tl.load(o_ptr + rows[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(buf_ptr + rows[:, None] * (D + 1) + offs_d[None, :], o * w[:, None], mask=mask)
+    tl.store(buf_ptr + rows * (D + 1) + D, w, mask=row_ok)
+
+
+@triton.jit
+def _weigh_finish_kernel(buf_ptr, m_ptr, out_ptr, out_lse_ptr, R,
+                         D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # After the sum over ranks: o = sum(o*w) / sum(w), lse = m + log(sum(w)); empty rows: 0, -inf.
+    pid = tl.program_id(0)
+    rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < R
+    mask = row_ok[:, None] & (offs_d[None, :] < D)
+    m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)
+    w_sum = tl.load(buf_ptr + rows * (D + 1) + D, mask=row_ok, other=0.0)
+    acc = tl.load(buf_ptr + rows[:, None] * (D + 1) + offs_d[None, :], mask=mask, other=0.0)
+    out, lse = merge_finish(tl.where(m == float("-inf"), 0.0, m), w_sum, acc)
+    tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_lse_ptr + rows, lse, mask=row_ok)
+
+
+def weigh_pack_triton(o, lse, m, buf, cfg=None):
+    """o [T, H, D], lse [T, H], m [T, H] fp32 (the max of lse over ranks), all contiguous
+    -> buf [T, H, D + 1] fp32 = ``[o * w | w]``, ``w = exp(lse - m)`` (0 for empty rows)."""
+    t, h, d = o.shape
+    if t * h == 0:
+        return
+    grid, block_r, block_d = cfg or rows_config(t * h, d)
+    _weigh_pack_kernel[grid](o, lse, m, buf, t * h, D=d, BLOCK_R=block_r, BLOCK_D=block_d)
+
+
+def weigh_finish_triton(buf, m, out, out_lse, cfg=None):
+    """buf [T, H, D + 1] fp32 = ``[sum o*w | sum w]``, m [T, H] -> out [T, H, D] (its dtype),
+    out_lse [T, H] fp32 (all contiguous)."""
+    t, h, d = out.shape
+    if t * h == 0:
+        return
+    grid, block_r, block_d = cfg or rows_config(t * h, d)
+    _weigh_finish_kernel[grid](buf, m, out, out_lse, t * h, D=d, BLOCK_R=block_r, BLOCK_D=block_d)
+
+
+def weigh_pack_torch(o, lse, m, buf):
+    """Torch version of :func:`weigh_pack_triton` (CPU tensors; any strides)."""
+    d = o.shape[-1]
+    w = torch.exp(lse - torch.where(m == float("-inf"), 0.0, m))
+    torch.mul(o, w[..., None], out=buf[..., :d])
+    buf[..., d] = w
+
+
+def weigh_finish_torch(buf, m, out, out_lse):
+    """Torch version of :func:`weigh_finish_triton` (CPU tensors)."""
+    d = out.shape[-1]
+    w_sum = buf[..., d]
+    empty = w_sum == 0.0
+    w_sum = torch.where(empty, 1.0, w_sum)
+    out.copy_(buf[..., :d] / w_sum[..., None])
+    out_lse.copy_(torch.where(empty, float("-inf"), torch.where(m == float("-inf"), 0.0, m) + torch.log(w_sum)))

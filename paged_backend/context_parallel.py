@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 import paged_backend as pb
 from kernels.checks import check_kv_cache, check_tensor, debug_enabled
-from paged_backend.parallel import CollectiveError, _all_gather_flat, collective, grid_groups, tree_merge
+from paged_backend.parallel import CollectiveError, _all_gather_flat, collective, get_merger, grid_groups
+from paged_backend.parallel import tree_merge  # noqa: F401 (re-exported, as before)
 
 
 def _pos_int(name, v):
@@ -118,9 +119,10 @@ def cp_decode(q, k_cache_local, v_cache_local, block_table_local, seq_lens_local
     """Context-parallel decode: local paged (stream-K) decode of this rank's shard, then
     :func:`tree_merge` over ``group``. q [B, Hq, D] is the same on every rank; ``plan`` is a
     ``pb.plan_decode`` of the *local* lengths. Returns ``(o [B, Hq, D], lse [B, Hq])`` on every rank."""
+    merger = get_merger(group, strategy=strategy, hierarchy=hierarchy)  # validates group/strategy first
     o, lse = pb.paged_decode(q, k_cache_local, v_cache_local, block_table_local, seq_lens_local,
                              scale=scale, plan=plan, return_lse=True)
-    return tree_merge(o, lse, group, strategy=strategy, hierarchy=hierarchy)
+    return merger.merge(o, lse, check=False)  # fresh contiguous state: packed with one copy, no checks
 
 
 def cp_cascade_decode(q, k_cache_local, v_cache_local, cplan_local, group=None, *, strategy: str = "auto",
@@ -130,8 +132,9 @@ def cp_cascade_decode(q, k_cache_local, v_cache_local, cplan_local, group=None, 
     cascade = getattr(pb, "cascade_decode", None)
     if cascade is None:
         raise NotImplementedError("cp_cascade_decode needs pb.cascade_decode, which this build lacks")
+    merger = get_merger(group, strategy=strategy, hierarchy=hierarchy)
     o, lse = cascade(q, k_cache_local, v_cache_local, cplan_local, return_lse=True, **kwargs)
-    return tree_merge(o, lse, group, strategy=strategy, hierarchy=hierarchy)
+    return merger.merge(o, lse)
 
 
 class Mesh(NamedTuple):

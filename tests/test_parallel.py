@@ -24,7 +24,8 @@ import torch.multiprocessing as mp
 import paged_backend as pb
 from paged_backend.context_parallel import (Placement, cp_decode, make_mesh, ring_decode, shard_paged_kv,
                                             tp_head_slices)
-from paged_backend.parallel import CollectiveError, make_hierarchy, tree_merge
+from paged_backend import parallel
+from paged_backend.parallel import CollectiveError, TreeMerger, get_merger, make_hierarchy, tree_merge
 from paged_inputs import make_decode_inputs
 from reference import attend, assert_close_state, decode_reference, rel_err
 
@@ -270,6 +271,112 @@ def _check_mesh(rank, world):
     assert_close_state(o, lse, ref_o[:, sq], ref_lse[:, sq], torch.float32)
 
 
+class _Counting:
+    """Counts calls of the collectives tree_merge uses (and of torch.cat, its pack copy)."""
+
+    def __enter__(self):
+        self.n = {"all_gather": 0, "all_reduce": 0, "cat": 0}
+        self.saved = (parallel._all_gather_flat, dist.all_reduce, torch.cat)
+
+        def wrap(name, fn):
+            def counted(*a, **kw):
+                self.n[name] += 1
+                return fn(*a, **kw)
+            return counted
+        parallel._all_gather_flat = wrap("all_gather", self.saved[0])
+        dist.all_reduce = wrap("all_reduce", self.saved[1])
+        torch.cat = wrap("cat", self.saved[2])
+        return self
+
+    def take(self):
+        n, self.n = self.n, {k: 0 for k in self.n}
+        return n
+
+    def __exit__(self, *exc):
+        parallel._all_gather_flat, dist.all_reduce, torch.cat = self.saved
+
+
+def _ptrs(merger):
+    return sorted((lvl, kind, tuple(shape), name, t.data_ptr(), t.numel())
+                  for lvl, kind, shape, bufs in merger.buffers() for name, t in bufs.items())
+
+
+def _check_merger(rank, world):
+    """Collectives per call are as designed; buffers are made once per shape and reused."""
+    os.environ["PAGED_BACKEND_DEBUG"] = "0"  # the debug shape check would add a collective
+    o, lse, o_stack, lse_stack, _, _ = _rank_states(rank, world, [3, 17, 40, 1], 4, 2, 16, 1.0, 7)
+    ref_o, ref_lse = _merge_reference(o_stack, lse_stack)
+    o2, lse2 = o.flip(0).contiguous(), lse.flip(0).contiguous()  # other data, same shapes
+    ref2_o, ref2_lse = _merge_reference(o_stack.flip(1), lse_stack.flip(1))
+    want = {"allgather": dict(all_gather=1, all_reduce=0, cat=1), "allreduce": dict(all_gather=0, all_reduce=2, cat=0)}
+    with _Counting() as c:
+        for strategy in ("allgather", "allreduce"):
+            m = TreeMerger(strategy=strategy)
+            mo, ml = m.merge(o, lse)
+            assert c.take() == want[strategy], strategy
+            assert_close_state(mo, ml, ref_o, ref_lse, torch.float32)
+            first = _ptrs(m)
+            assert len(first) == 2 and all(k == strategy for _, k, *_ in first), first
+            mo2, ml2 = m.merge(o2, lse2)
+            assert c.take() == want[strategy], strategy
+            assert _ptrs(m) == first, f"{strategy}: buffers re-allocated for the same shapes"
+            assert_close_state(mo2, ml2, ref2_o, ref2_lse, torch.float32)
+            assert torch.equal(m.merge(o, lse)[0], mo), f"{strategy}: not deterministic"
+            c.take()
+            # tree_merge reuses one cached merger per (group, strategy, hierarchy)
+            to, tl_ = tree_merge(o, lse, strategy=strategy)
+            assert torch.equal(to, mo) and torch.equal(tl_, ml)
+            cached = _ptrs(get_merger(strategy=strategy))
+            tree_merge(o2, lse2, strategy=strategy)
+            assert c.take() == {k: 2 * v for k, v in want[strategy].items()}
+            assert _ptrs(get_merger(strategy=strategy)) == cached
+        # auto picks the all-gather for this small state; a state written into the send views skips the pack
+        m = TreeMerger()
+        views = m.send_views(o.shape, o.dtype, o.device)
+        assert views is not None
+        views[0].copy_(o)
+        views[1].copy_(lse)
+        c.take()
+        vo, vl = m.merge(*views)
+        assert c.take() == dict(all_gather=1, all_reduce=0, cat=0)
+        assert torch.equal(vo, tree_merge(o, lse, strategy="allgather")[0])
+        assert TreeMerger(strategy="allreduce").send_views(o.shape, o.dtype, o.device) is None
+        # a bounded cache drops the oldest shape
+        m = TreeMerger(strategy="allgather", max_plans=2)
+        for t in (1, 2, 3):
+            m.merge(o[:t], lse[:t])
+        assert sorted(s[0] for _, _, s, _ in m.buffers()) == [2, 3]
+        c.take()
+        if world == 4:  # 2 x 2: one collective per level; the node's state lands in the inter send buffer
+            for strategy, n in (("allgather", dict(all_gather=2, all_reduce=0, cat=1)),
+                                ("allreduce", dict(all_gather=0, all_reduce=4, cat=0))):
+                m = TreeMerger(strategy=strategy, hierarchy=2)
+                mo, ml = m.merge(o, lse)
+                assert c.take() == n, strategy
+                assert_close_state(mo, ml, ref_o, ref_lse, torch.float32)
+                first = _ptrs(m)
+                m.merge(o2, lse2)
+                assert _ptrs(m) == first and c.take() == n, strategy
+        # cp_decode: one all-gather per step, buffers reused across steps
+        pl = Placement(world, rank, 16)
+        torch.manual_seed(3)
+        q, k, v, bt, sl = make_decode_inputs([5, 70, 33], 8, 2, 64, 16, torch.float32)
+        ref_o, ref_lse = decode_reference(q, k, v, bt, sl)
+        k_l, v_l, bt_l, sl_l = shard_paged_kv(k, v, bt, sl, pl)
+        c.take()
+        for _ in range(2):
+            do, dl = cp_decode(q, k_l, v_l, bt_l, sl_l)
+            assert c.take()["all_gather"] == 1
+            assert_close_state(do, dl, ref_o, ref_lse, torch.float32)
+
+
+def _job_merger(rank, world):
+    _check_merger(rank, world)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # the Triton merge kernels on the CPU
+        _check_tree_merge(rank, world)
+    dist.barrier()
+
+
 def _job_main(rank, world):
     t0 = time.monotonic()
     _check_tree_merge(rank, world)
@@ -311,7 +418,7 @@ def _job_hang(rank, world):
     return ("no error", "", time.monotonic() - t0)
 
 
-JOBS = {"main": _job_main, "dead": _job_dead, "hang": _job_hang}
+JOBS = {"main": _job_main, "merger": _job_merger, "dead": _job_dead, "hang": _job_hang}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,6 +426,12 @@ JOBS = {"main": _job_main, "dead": _job_dead, "hang": _job_hang}
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_parallel_gloo(world):
     _launch("main", world)
+
+
+@pytest.mark.kernel  # under TRITON_INTERPRET=1 (tests/run_cpu.sh) this also runs the Triton merge kernels
+@pytest.mark.parametrize("world", [2, 4])
+def test_tree_merger_collectives_and_buffers(world):
+    _launch("merger", world)
 
 
 @pytest.mark.parametrize("job,world", [("dead", 3), ("hang", 2)])
