@@ -111,6 +111,9 @@ class DecodePlan:
     buffers: torch.Tensor = field(default=None, repr=False)
     partial_o: torch.Tensor = field(default=None, repr=False)
     partial_lse: torch.Tensor = field(default=None, repr=False)
+    _host: np.ndarray = field(default=None, repr=False)  # the partition, as last written
+    _units: np.ndarray = field(default=None, repr=False)  # tiles per request of that partition
+    _last_ends: np.ndarray = field(default=None, repr=False)  # where each segment's last token_end is
     _staging: list = field(default=None, repr=False)
     _copied: list = field(default=None, repr=False)
     _flip: int = 0
@@ -151,15 +154,15 @@ class DecodePlan:
         size = self.max_pieces * WORK_FIELDS + self.num_programs + 1 + self.batch_size * self.num_kv_heads + 1
         if self.buffers is None:
             self._allocate(size)
+        self._partition(lens, self._host)
         if self.device.type != "cuda":
-            self._partition(lens, self.buffers.numpy())
-            return self
+            return self  # _host is the buffer itself
         # Two pinned staging buffers, alternated: the CPU may run a step ahead of the GPU, so a
         # buffer is rewritten only after its previous copy has been done (its event).
         i = self._flip = 1 - self._flip
         if self._copied[i] is not None:
             self._copied[i].synchronize()
-        self._partition(lens, self._staging[i].numpy())
+        np.copyto(self._staging[i].numpy(), self._host)
         self.buffers.copy_(self._staging[i], non_blocking=True)
         self._copied[i] = torch.cuda.Event()
         self._copied[i].record()
@@ -172,8 +175,11 @@ class DecodePlan:
         self.partial_o = torch.empty(self.max_pieces, group, self.head_dim, dtype=torch.float32, device=dev)
         self.partial_lse = torch.empty(self.max_pieces, group, dtype=torch.float32, device=dev)
         if dev.type == "cuda":
+            self._host = np.zeros(size, dtype=np.int32)
             self._staging = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in range(2)]
             self._copied, self._flip = [None, None], 0
+        else:
+            self._host = self.buffers.numpy()
 
     def _partition(self, lens: np.ndarray, out: np.ndarray) -> None:
         """Writes ``work | prog_ptr | seg_ptr`` into the int32 host array ``out``."""
@@ -181,6 +187,11 @@ class DecodePlan:
         n_seg = lens.size * hkv
         # An empty segment still gets one (empty) piece, which writes o = 0, lse = -inf.
         req_units = np.maximum((lens + (bn - 1)) // bn, 1)
+        if self._units is not None and np.array_equal(req_units, self._units):
+            # The same tiles as last step (a decode step adds one token; a request crosses a tile
+            # boundary once per block_n tokens): only the last piece of each segment ends elsewhere.
+            out[self._last_ends] = np.repeat(lens, hkv)
+            return
         seg_units = np.repeat(req_units, hkv)  # [S], S = B * Hkv
         seg_bounds = np.zeros(n_seg + 1, dtype=np.int64)
         np.cumsum(seg_units, out=seg_bounds[1:])
@@ -222,6 +233,7 @@ class DecodePlan:
         prog_ptr[n_prog + 1:] = n  # programs past the last cut get empty runs
         out[at + g + 1:] = seg_ptr
         self.num_pieces = n
+        self._units, self._last_ends = req_units, (seg_ptr[1:] - 1) * WORK_FIELDS + 3  # column 3
 
 
 def plan_decode(seq_lens_cpu, *, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,

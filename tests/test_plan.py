@@ -108,3 +108,18 @@ def test_update_rejects_other_batch_size():
     plan = make([5, 6])
     with pytest.raises(ValueError, match="seq_lens_cpu"):
         plan.update([5, 6, 7])
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(start=st.lists(st.integers(0, 400), min_size=1, max_size=6), steps=st.integers(1, 150),
+       mode=st.sampled_from(["stream_k", "split"]), g=st.integers(1, 40))
+def test_update_over_decode_steps_equals_a_fresh_plan(start, steps, mode, g):
+    # Decode steps add a token per request; most steps take update's incremental path.
+    plan = make(start, 2, mode, g, block_n=16)
+    lens = np.array(start)
+    for step in range(steps):
+        lens = lens + 1 if step % 37 else lens + np.arange(lens.size) * 7  # now and then a jump
+        plan.update(lens)
+        fresh = make(lens, 2, mode, g, block_n=16)
+        for a, b in zip(host_arrays(plan), host_arrays(fresh)):
+            assert np.array_equal(a, b)
