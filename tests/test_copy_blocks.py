@@ -158,3 +158,19 @@ def test_kernel_skips_out_of_range_ids():
     want = _expected([k, v], [(0, 2)])
     fn([k], [v], torch.tensor([[0, 2], [5, 1], [1, -1], [-3, 3], [1, 4]]))
     assert torch.equal(k, want[0]) and torch.equal(v, want[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", ["nhd", "vllm"])
+def test_gpu_copies_in_every_layer(layout):
+    layers = [make_cache(64, 16, 8, 128, torch.bfloat16, device="cuda", layout=layout) for _ in range(3)]
+    before = [(k.clone(), v.clone()) for k, v in layers]
+    pairs = torch.tensor([[3, 40], [3, 41], [7, 2], [60, 61]], dtype=torch.int64)
+    pb.copy_blocks([k for k, _ in layers], [v for _, v in layers], pairs.cuda())
+    torch.cuda.synchronize()
+    for (k, v), (k0, v0) in zip(layers, before):
+        want_k, want_v = k0.clone(), v0.clone()
+        want_k[pairs[:, 1].cuda()] = k0[pairs[:, 0].cuda()]
+        want_v[pairs[:, 1].cuda()] = v0[pairs[:, 0].cuda()]
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
