@@ -24,10 +24,10 @@ import torch
 from kernels.checks import HEAD_DIMS, check_heads, debug_enabled
 from kernels.dispatch import num_sms
 from paged_backend.cascade_forest import auto_forest, group_forest
+from paged_backend.plan import block_n_for, cut_pieces, plan_decode
 
 NODE_FIELDS = 7  # (rep request, kv_head, member base, members in block, token_start, token_end, slot base)
 LEAF_FIELDS = 5  # (request, kv_head, token_start, token_end, slot) - the decode kernel's pieces
-NO_SPLIT_SLACK = 1.15
 
 
 @dataclass(frozen=True)
@@ -64,41 +64,6 @@ def _host_array(name, x, ndim):
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must hold integers, got {arr.dtype}")
     return arr
-
-
-def cut_programs(seg_units: np.ndarray, grid: int, seg_bounds: np.ndarray | None = None) -> np.ndarray:
-    """Stream-K cut points (in units, 0 and U included) of ``grid`` equal contiguous runs; whole
-    segments only when they already balance the grid (then no partial states are split)."""
-    n_seg = seg_units.size
-    if seg_bounds is None:
-        seg_bounds = np.concatenate([[0], np.cumsum(seg_units)])
-    total = int(seg_bounds[-1])
-    longest = int(seg_units.max()) if n_seg else 0
-    if n_seg >= grid and -(-n_seg // grid) * longest <= NO_SPLIT_SLACK * total / max(grid, 1):
-        return seg_bounds[(np.arange(grid + 1) * n_seg) // grid]
-    return (np.arange(grid + 1, dtype=np.int64) * total) // grid
-
-
-def _pieces(seg_units: np.ndarray, grid: int):
-    """-> (seg index, unit start, unit end) of each piece and prog_ptr [grid + 1]. The pieces are
-    the segments ([1, ...] units each) cut at the program bounds that fall inside them."""
-    n = seg_units.size
-    seg_bounds = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(seg_units, out=seg_bounds[1:])
-    prog_bounds = cut_programs(seg_units, grid, seg_bounds)
-    inside = seg_bounds[np.searchsorted(seg_bounds, prog_bounds)] != prog_bounds  # bounds <= total
-    if inside.any():
-        extra = np.unique(prog_bounds[inside])
-        at = np.searchsorted(seg_bounds, extra) + np.arange(extra.size)  # their places among the cuts
-        cuts = np.insert(seg_bounds, at - np.arange(extra.size), extra)
-        new_seg = np.ones(cuts.size - 1, dtype=bool)
-        new_seg[at] = False
-        seg = np.cumsum(new_seg) - 1
-    else:
-        cuts, seg = seg_bounds, np.arange(n)
-    starts = cuts[:-1]
-    prog_ptr = np.minimum(np.searchsorted(starts, prog_bounds, side="left"), starts.size)
-    return seg, starts - seg_bounds[seg], cuts[1:] - seg_bounds[seg], prog_ptr
 
 
 def choose_block_m(rows: np.ndarray, tokens: np.ndarray, gp: int, head_dim: int) -> int:
@@ -204,13 +169,11 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
         max_id = int(ids.max()) if ids.size else -1
         if ids.size and int(ids.min()) < 0:
             raise ValueError(f"block_table_cpu holds negative block ids in its used entries (min {int(ids.min())})")
-    from paged_backend.plan import block_n_for
     plan = CascadePlan(batch_size=bsz, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device=device,
                        seq_lens_host=lens, shared_len_host=kd * bs, node_ptr=ptr, node_members=members,
                        node_start=nstart * bs, node_end=nend * bs, block_table_host=bt_host, max_block_id=max_id,
                        block_n=block_n_for(d), node_block_n=64 if d <= 128 else 32)
     if plan.is_flat:
-        from paged_backend.plan import plan_decode
         plan.flat_plan = plan_decode(lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                      device=device, num_programs=leaf_programs)
         _upload(plan, [("seq_lens", lens)], block_table_device)
@@ -316,7 +279,7 @@ def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, bloc
     seg_kvh = within // nrb[seg_node]
     seg_rb = within % nrb[seg_node]
     seg_units = -(-ntok[seg_node] // nbn)
-    seg, u0, u1, nprog = _pieces(seg_units, gn)
+    seg, u0, u1, _, nprog = cut_pieces(seg_units, gn)
     k = seg_node[seg]
     n_in = np.minimum(mpb, sizes[k] - seg_rb[seg] * mpb)
     slot_base = np.cumsum(n_in) - n_in
@@ -331,7 +294,7 @@ def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, bloc
     lseg_req = np.repeat(live, hkv)
     lseg_kvh = np.tile(np.arange(hkv), live.size)
     lseg_units = -(-tail[lseg_req] // bn)
-    lseg, l0, l1, lprog = _pieces(lseg_units, gl) if live.size else (np.zeros(0, np.int64),) * 3 + (
+    lseg, l0, l1, _, lprog = cut_pieces(lseg_units, gl) if live.size else (np.zeros(0, np.int64),) * 3 + (
         np.zeros(gl + 1, np.int64),)
     lreq = lseg_req[lseg]
     lstart = plan.shared_len_host[lreq]

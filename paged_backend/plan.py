@@ -88,6 +88,45 @@ def _program_bounds(seg_units: np.ndarray, mode: str, grid: int) -> np.ndarray:
     return (np.arange(grid + 1, dtype=np.int64) * total) // grid
 
 
+def cut_pieces(seg_units: np.ndarray, grid: int, mode: str = "stream_k"):
+    """Cuts segments of ``seg_units [S]`` units (each >= 1) into program runs (see the module doc).
+
+    -> ``(seg [P], unit_start [P], unit_end [P], seg_ptr [S + 1], prog_ptr [R + 1])``: the pieces
+    in order (units counted within their segment), each segment's pieces ``seg_ptr[s]..
+    seg_ptr[s+1]``, and each of the R program runs' first piece (R = ``grid`` for stream-K).
+    Shared by the decode plan and the cascade plan's node and tail work.
+    """
+    n_seg = seg_units.size
+    seg_bounds = np.zeros(n_seg + 1, dtype=np.int64)
+    np.cumsum(seg_units, out=seg_bounds[1:])
+    prog_bounds = _program_bounds(seg_units, mode, grid)
+    total = int(seg_bounds[-1])
+    # Pieces = segments cut again at the program bounds that fall strictly inside them. Only the
+    # program bounds are searched, never the (longer) list of segment bounds.
+    cut = _dedupe_sorted(prog_bounds)
+    at = np.searchsorted(seg_bounds, cut)
+    inner = at <= n_seg
+    inner[inner] = seg_bounds[at[inner]] != cut[inner]
+    inner &= (cut > 0) & (cut < total)
+    cut, cut_seg = cut[inner], at[inner] - 1  # sorted, so grouped by segment
+    per_seg = 1 + np.bincount(cut_seg, minlength=n_seg)
+    seg_ptr = np.zeros(n_seg + 1, dtype=np.int64)
+    np.cumsum(per_seg, out=seg_ptr[1:])
+    n = int(seg_ptr[-1])
+    seg = np.repeat(np.arange(n_seg), per_seg)  # [P]
+    starts = np.empty(n, dtype=np.int64)
+    first = np.zeros(n, dtype=bool)
+    first[seg_ptr[:-1]] = True
+    starts[first] = seg_bounds[:-1]
+    starts[~first] = cut
+    ends = np.empty(n, dtype=np.int64)
+    ends[:-1] = starts[1:]
+    ends[-1:] = total
+    seg_start = seg_bounds[seg]
+    prog_ptr = np.searchsorted(starts, prog_bounds, side="left")
+    return seg, starts - seg_start, ends - seg_start, seg_ptr, prog_ptr
+
+
 @dataclass
 class DecodePlan:
     """What the decode kernel needs, computed on the host once per step.
@@ -184,7 +223,6 @@ class DecodePlan:
     def _partition(self, lens: np.ndarray, out: np.ndarray) -> None:
         """Writes ``work | prog_ptr | seg_ptr`` into the int32 host array ``out``."""
         hkv, bn, g = self.num_kv_heads, self.block_n, self.num_programs
-        n_seg = lens.size * hkv
         # An empty segment still gets one (empty) piece, which writes o = 0, lse = -inf.
         req_units = np.maximum((lens + (bn - 1)) // bn, 1)
         if self._units is not None and np.array_equal(req_units, self._units):
@@ -193,44 +231,19 @@ class DecodePlan:
             out[self._last_ends] = np.repeat(lens, hkv)
             return
         seg_units = np.repeat(req_units, hkv)  # [S], S = B * Hkv
-        seg_bounds = np.zeros(n_seg + 1, dtype=np.int64)
-        np.cumsum(seg_units, out=seg_bounds[1:])
-        prog_bounds = _program_bounds(seg_units, self.mode, self.target_programs)
-        total = int(seg_bounds[-1])
-        # Pieces = segments cut again at the program bounds that fall strictly inside them. Only
-        # the G + 1 program bounds are searched, never the longer list of segment bounds.
-        cut = _dedupe_sorted(prog_bounds)
-        at = np.searchsorted(seg_bounds, cut)
-        inner = at <= n_seg
-        inner[inner] = seg_bounds[at[inner]] != cut[inner]
-        inner &= (cut > 0) & (cut < total)
-        cut, cut_seg = cut[inner], at[inner] - 1  # sorted, so grouped by segment
-        per_seg = 1 + np.bincount(cut_seg, minlength=n_seg)
-        seg_ptr = np.zeros(n_seg + 1, dtype=np.int64)
-        np.cumsum(per_seg, out=seg_ptr[1:])
-        n = int(seg_ptr[-1])
-        seg = np.repeat(np.arange(n_seg), per_seg)  # [P]
-        starts = np.empty(n, dtype=np.int64)
-        first = np.zeros(n, dtype=bool)
-        first[seg_ptr[:-1]] = True
-        starts[first] = seg_bounds[:-1]
-        starts[~first] = cut
-        ends = np.empty(n, dtype=np.int64)
-        ends[:-1] = starts[1:]
-        ends[-1:] = total
-        seg_start = seg_bounds[seg]
+        seg, u0, u1, seg_ptr, prog_ptr_cut = cut_pieces(seg_units, self.target_programs, self.mode)
+        n = seg.size
         req = seg // hkv
         work = out[: self.max_pieces * WORK_FIELDS].reshape(-1, WORK_FIELDS)
         work[:n, 0] = req
         work[:n, 1] = seg - req * hkv
-        work[:n, 2] = (starts - seg_start) * bn
-        work[:n, 3] = np.minimum((ends - seg_start) * bn, lens[req])
-        work[:n, 4] = np.where(per_seg[seg] > 1, np.arange(n), -1)
+        work[:n, 2] = u0 * bn
+        work[:n, 3] = np.minimum(u1 * bn, lens[req])
+        work[:n, 4] = np.where(np.diff(seg_ptr)[seg] > 1, np.arange(n), -1)
         at = self.max_pieces * WORK_FIELDS
         prog_ptr = out[at: at + g + 1]
-        n_prog = prog_bounds.size - 1
-        prog_ptr[: n_prog + 1] = np.searchsorted(starts, prog_bounds, side="left")
-        prog_ptr[n_prog + 1:] = n  # programs past the last cut get empty runs
+        prog_ptr[: prog_ptr_cut.size] = prog_ptr_cut
+        prog_ptr[prog_ptr_cut.size:] = n  # programs past the last cut get empty runs
         out[at + g + 1:] = seg_ptr
         self.num_pieces = n
         self._units, self._last_ends = req_units, (seg_ptr[1:] - 1) * WORK_FIELDS + 3  # column 3

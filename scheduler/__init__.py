@@ -6,7 +6,8 @@ ScheduledBatch per-step host arrays (block_tables, seq_lens, query_start_loc, sl
 """
 from .block_manager import BlockManager
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledBatch, Scheduler
+from .batch import ScheduledBatch
+from .scheduler import Scheduler
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 __all__ = ["BlockManager", "SamplingParams", "ScheduledBatch", "Scheduler", "Sequence",
