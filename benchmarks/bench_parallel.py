@@ -98,13 +98,9 @@ class Bench:
             dist.all_reduce(med, op=dist.ReduceOp.MAX)
         return float(med)
 
-    def graph_us(self, fn):
-        """``(median us of replaying fn captured in a CUDA graph, None)``, or ``(None, error)`` when the
-        capture fails on any rank (NCCL collectives can be captured on recent torch/NCCL; an engine
-        captures its decode step, so this is the merge cost it would see)."""
-        if not self.cuda:
-            return None, "no CUDA"
-        err = None
+    @staticmethod
+    def capture(fn):
+        """-> (CUDA graph of one call of fn, None), or (None, error). Warmed up off the capture stream."""
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -117,8 +113,17 @@ class Bench:
             with torch.cuda.graph(graph):
                 fn()
             torch.cuda.synchronize()
+            return graph, None
         except Exception as e:  # noqa: BLE001 - reported, not fatal
-            err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+
+    def graph_us(self, fn):
+        """``(median us of replaying fn captured in a CUDA graph, None)``, or ``(None, error)`` when the
+        capture fails on any rank (NCCL collectives can be captured on recent torch/NCCL; an engine
+        captures its decode step, so this is the merge cost it would see)."""
+        if not self.cuda:
+            return None, "no CUDA"
+        graph, err = self.capture(fn)
         ok = torch.tensor([0 if err else 1], dtype=torch.int32, device=self.dev)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # replay only if every rank captured (else peers hang)
         if not int(ok):
@@ -253,8 +258,11 @@ class Bench:
             if self.rank == 0:
                 try:
                     k, v, bt, sl, plan = self._single(b, ctx, hq, hkv, d, bs)
-                    rec["latency_us"] = self.time_us(lambda: pb.paged_decode(q, k, v, bt, sl, plan=plan),
-                                                     collective=False)
+                    one = lambda: pb.paged_decode(q, k, v, bt, sl, plan=plan)  # noqa: E731
+                    rec["latency_us"] = self.time_us(one, collective=False)
+                    if self.cuda:
+                        graph, err = self.capture(one)
+                        rec["graph_us"] = self.time_us(graph.replay, collective=False) if graph else None
                     rec["peak_mem_bytes"] = torch.cuda.max_memory_allocated() if self.cuda else 0
                     del k, v, bt, sl, plan
                 except torch.cuda.OutOfMemoryError as e:
@@ -278,6 +286,11 @@ class Bench:
             res[f"tree_{strat}"] = dict(base, kind="tree", strategy=strat, used=used, latency_us=t,
                                         merge_us=t - t_local, peak_mem_bytes=self.peak(),
                                         comm_bytes=tree_bytes(b, hq, d, esize, self.world, used))
+            if strat == "auto" and self.cuda:
+                gus, err = self.graph_us(lambda: cp_decode(q, k, v, bt, sl, plan=plan, hierarchy=hier))
+                res["tree_auto"]["graph_us"] = gus
+                if err:
+                    res["tree_auto"]["graph_error"] = err
             self.record(**res[f"tree_{strat}"])
         if not a.skip_ring:
             self.reset_peak()
@@ -293,6 +306,8 @@ class Bench:
         ratios = dict(base, kind="ratios")
         if res.get("single", {}).get("latency_us"):
             ratios["single_over_tree"] = res["single"]["latency_us"] / tree["latency_us"]
+        if res.get("single", {}).get("graph_us") and tree.get("graph_us"):
+            ratios["single_over_tree_graph"] = res["single"]["graph_us"] / tree["graph_us"]
         if res.get("ring", {}).get("latency_us"):
             ratios["ring_over_tree"] = res["ring"]["latency_us"] / tree["latency_us"]
             if res["ring"]["peak_mem_bytes"]:
@@ -318,7 +333,7 @@ def summary(records, world) -> str:
             by.setdefault((r["B"], r["ctx"]), {})[r["kind"] + ("_" + r["strategy"] if r["kind"] == "tree" else "")] = r
     lines = [f"world {world}: latency us (peak GiB, bytes sent per rank per step)",
              f"{'B':>3} {'ctx':>8} | {'one GPU':>20} | {'tree':>26} | {'ring':>28} | {'1GPU/tree':>9} "
-             f"{'ring/tree':>9} {'mem t/r':>7}"]
+             f"{'ring/tree':>9} {'mem t/r':>7} | {'graphs: 1GPU':>12} {'tree':>7} {'1GPU/tree':>9}"]
     gib = 1024 ** 3
 
     def cell(r, w):
@@ -330,14 +345,15 @@ def summary(records, world) -> str:
         s += f", {r['comm_bytes']:.3g}B)" if "comm_bytes" in r else ")"
         return f"{s:>{w}}"
 
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for (b, ctx), c in sorted(by.items()):
         rt = c.get("ratios", {})
         f = lambda key: f"{rt[key]:.2f}" if key in rt else "-"  # noqa: E731
         lines.append(f"{b:>3} {ctx // K:>7}K | {cell(c.get('single'), 20)} | {cell(c.get('tree_auto'), 26)} | "
                      f"{cell(c.get('ring'), 28)} | {f('single_over_tree'):>9} {f('ring_over_tree'):>9} "
-                     f"{f('tree_peak_over_ring'):>7}")
+                     f"{f('tree_peak_over_ring'):>7} | {fmt(c.get('single', {}).get('graph_us')):>12} "
+                     f"{fmt(c.get('tree_auto', {}).get('graph_us')):>7} {f('single_over_tree_graph'):>9}")
     small = [r for r in records if r["kind"] == "allreduce_4KB"]
-    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     if small:
         lines.append(f"one 4 KB all-reduce: {small[0]['latency_us']:.1f} us eager, "
                      f"{fmt(small[0].get('graph_us'))} us in a CUDA graph")
