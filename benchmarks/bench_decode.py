@@ -9,6 +9,7 @@ See benchmarks/README.md for the columns. Any failure (ours or a peer) is record
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -194,8 +195,12 @@ def plan_times(args) -> dict:
             calls = 200 if b < 4096 else 50
             new = C.host_time_us(lambda: pb.plan_decode(lens, **kw), calls)
             plan = pb.plan_decode(lens, **kw)
-            upd = C.host_time_us(lambda: plan.update(lens), calls)
-            out[f"B{b}"] = {"plan_decode_us": new, "update_us": upd}
+            step = itertools.count(1)
+            # a decode step: every request grows by one token (the incremental path unless a
+            # request crosses a tile boundary), and a full re-partition (every tile count changes)
+            upd = C.host_time_us(lambda: plan.update(lens + next(step)), calls)
+            full = C.host_time_us(lambda: plan.update(lens + plan.block_n * (next(step) % 2)), calls)
+            out[f"B{b}"] = {"plan_decode_us": new, "update_us": upd, "repartition_us": full}
         except Exception as e:
             out[f"B{b}"] = {"error": C.short_error(e)}
     return out
@@ -231,14 +236,16 @@ def render(results: dict, names) -> tuple[str, str]:
     console = "\n".join([fmt(head), "-+-".join("-" * w for w in widths)] + [fmt(r) for r in rows])
     pt = results.get("plan_time_us", {})
     plan_rows = [[k, f"{v['plan_decode_us']:.0f}" if "plan_decode_us" in v else v.get("error", ""),
-                  f"{v['update_us']:.0f}" if "update_us" in v else ""] for k, v in pt.items()]
+                  f"{v['update_us']:.0f}" if "update_us" in v else "",
+                  f"{v['repartition_us']:.0f}" if "repartition_us" in v else ""] for k, v in pt.items()]
     md = [f"## Paged decode ({results['device']}, {results['date']})", "",
           f"Copy bandwidth measured in the same run: **{results['copy_gbps']:.0f} GB/s** (read + write). "
           f"bf16 (fp32 on CPU), D={HEAD_DIM}, page {BLOCK_SIZE}, pages shuffled. Cells: median time, KV GB/s, "
           f"% of copy bandwidth, FlashInfer time / this time (>1 = faster than FlashInfer). "
           f"Versions: {results['versions']}.", "", C.md_table(head, md_rows), "",
-          "Host planning time (`plan_decode` new / `plan.update` reuse), lengths ~4K, us:", "",
-          C.md_table(["batch", "plan_decode", "update"], plan_rows)]
+          "Host planning time (`plan_decode` new; `plan.update` for a decode step and for a full "
+          "re-partition), lengths ~4K, us:", "",
+          C.md_table(["batch", "plan_decode", "update (decode step)", "update (all tiles change)"], plan_rows)]
     md += ["", "Cases (lengths, Hq/Hkv): " + "; ".join(
         f"{c}: {_lens_str(results['cases'][c])}, {results['cases'][c]['num_q_heads']}/"
         f"{results['cases'][c]['num_kv_heads']}" for c in names)]
@@ -325,7 +332,8 @@ def main(argv=None):
         C.write_md_section(md, BENCH, section)
         print(f"wrote {md}")
     print("\nplan time (us, host):", ", ".join(
-        f"{k}: new {v.get('plan_decode_us', float('nan')):.0f} / update {v.get('update_us', float('nan')):.0f}"
+        f"{k}: new {v.get('plan_decode_us', float('nan')):.0f} / step {v.get('update_us', float('nan')):.0f}"
+        f" / re-partition {v.get('repartition_us', float('nan')):.0f}"
         for k, v in results["plan_time_us"].items()))
     print(f"\nPaged decode, {results['device']}, copy {copy_gbps:.0f} GB/s; cell = median us, % of copy "
           f"bandwidth, x = FlashInfer time / this time")

@@ -66,10 +66,10 @@ def _dedupe_sorted(a: np.ndarray) -> np.ndarray:
     return a[keep]
 
 
-def _program_bounds(seg_units: np.ndarray, mode: str, grid: int) -> np.ndarray:
-    """Cut points (in units, including 0 and U) of the program runs; ``len - 1`` programs."""
-    total = int(seg_units.sum())
-    seg_bounds = np.concatenate([[0], np.cumsum(seg_units)])
+def _program_bounds(seg_units: np.ndarray, seg_bounds: np.ndarray, mode: str, grid: int) -> np.ndarray:
+    """Cut points (in units, including 0 and U) of the program runs; ``len - 1`` programs.
+    ``seg_bounds [S + 1]``: the segments' cumulative units, from 0."""
+    total = int(seg_bounds[-1])
     if mode == "split":
         live = max(1, int((seg_units > 0).sum()))
         chunks = max(1, -(-grid // live))
@@ -99,7 +99,7 @@ def cut_pieces(seg_units: np.ndarray, grid: int, mode: str = "stream_k"):
     n_seg = seg_units.size
     seg_bounds = np.zeros(n_seg + 1, dtype=np.int64)
     np.cumsum(seg_units, out=seg_bounds[1:])
-    prog_bounds = _program_bounds(seg_units, mode, grid)
+    prog_bounds = _program_bounds(seg_units, seg_bounds, mode, grid)
     total = int(seg_bounds[-1])
     # Pieces = segments cut again at the program bounds that fall strictly inside them. Only the
     # program bounds are searched, never the (longer) list of segment bounds.
