@@ -39,6 +39,15 @@ def merge_finish(m, w_sum, acc):
 
 
 @triton.jit
+def _row_tile(R, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's BLOCK_R rows (int64) of an [R, D] row set -> (rows, offs_d, row_ok, mask)."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < R
+    return rows, offs_d, row_ok, row_ok[:, None] & (offs_d[None, :] < D)
+
+
+@triton.jit
 def _merge_states_kernel(
     o_ptr, lse_ptr, ob_ptr, lseb_ptr, out_ptr, out_lse_ptr,
     N, R, H,
@@ -52,13 +61,9 @@ def _merge_states_kernel(
 ):
     # One program merges BLOCK_R rows (a row = one (token, head)) over the N stacked states and,
     # with HAS_B, one more state held in its own tensors (two-state merges need no stacking copy).
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = rows < R
-    t = (rows // H).to(tl.int64)
-    h = (rows % H).to(tl.int64)
-    mask = row_ok[:, None] & (offs_d[None, :] < D)
+    rows, offs_d, row_ok, mask = _row_tile(R, D, BLOCK_R, BLOCK_D)
+    t = rows // H
+    h = rows % H
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     w_sum = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
@@ -131,11 +136,7 @@ def _merge_gathered_kernel(lse_ptr, o_ptr, out_ptr, out_lse_ptr, N, R, stride_ln
                            D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     # N states laid out one after the other with element strides stride_ln / stride_on (e.g. the
     # per-rank rows of an all-gather buffer), folded in index order; contiguous rows otherwise.
-    pid = tl.program_id(0)
-    rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = rows < R
-    mask = row_ok[:, None] & (offs_d[None, :] < D)
+    rows, offs_d, row_ok, mask = _row_tile(R, D, BLOCK_R, BLOCK_D)
     lse_p = lse_ptr + rows
     o_p = o_ptr + rows[:, None] * D + offs_d[None, :]
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -170,11 +171,7 @@ def _weigh_pack_kernel(o_ptr, lse_ptr, m_ptr, buf_ptr, R,
                        D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     # buf[r] = [o[r] * w | w], w = exp(lse[r] - m[r]) (m = the max over ranks; shift by 0 where it
     # is -inf, so empty rows give w = 0, never NaN). buf rows are D + 1 fp32.
-    pid = tl.program_id(0)
-    rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = rows < R
-    mask = row_ok[:, None] & (offs_d[None, :] < D)
+    rows, offs_d, row_ok, mask = _row_tile(R, D, BLOCK_R, BLOCK_D)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("-inf"))
     m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)
     w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))
@@ -187,11 +184,7 @@ def _weigh_pack_kernel(o_ptr, lse_ptr, m_ptr, buf_ptr, R,
 def _weigh_finish_kernel(buf_ptr, m_ptr, out_ptr, out_lse_ptr, R,
                          D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     # After the sum over ranks: o = sum(o*w) / sum(w), lse = m + log(sum(w)); empty rows: 0, -inf.
-    pid = tl.program_id(0)
-    rows = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = rows < R
-    mask = row_ok[:, None] & (offs_d[None, :] < D)
+    rows, offs_d, row_ok, mask = _row_tile(R, D, BLOCK_R, BLOCK_D)
     m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)
     w_sum = tl.load(buf_ptr + rows * (D + 1) + D, mask=row_ok, other=0.0)
     acc = tl.load(buf_ptr + rows[:, None] * (D + 1) + offs_d[None, :], mask=mask, other=0.0)
