@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -96,15 +97,17 @@ def check_block_table(block_table, seq_lens, num_blocks: int, block_size: int, b
     if host is None and (seq_lens.device.type == "cpu" or debug_enabled()):
         host = seq_lens.cpu()
     if host is not None:
-        host = torch.as_tensor(host)
-        if host.numel() and int(host.min()) < 0:
-            raise ValueError(f"seq_lens must be >= 0, got min {int(host.min())}")
-        if host.numel() and int(host.max()) > capacity:
+        # numpy: a plan's host lengths are numpy already, and this runs once per layer
+        host = host.cpu().numpy() if isinstance(host, torch.Tensor) else np.asarray(host)
+        lo, hi = (int(host.min()), int(host.max())) if host.size else (0, 0)
+        if lo < 0:
+            raise ValueError(f"seq_lens must be >= 0, got min {lo}")
+        if hi > capacity:
             raise ValueError(
-                f"seq_lens max {int(host.max())} exceeds the block table's capacity "
+                f"seq_lens max {hi} exceeds the block table's capacity "
                 f"{block_table.shape[1]} blocks x {block_size} = {capacity}")
-    if debug_enabled() and host is not None and host.numel():
-        used = (host.to(torch.int64) + block_size - 1) // block_size
+    if debug_enabled() and host is not None and host.size:
+        used = (torch.from_numpy(host).to(torch.int64) + block_size - 1) // block_size
         cols = torch.arange(block_table.shape[1])
         live = cols[None, :] < used[:, None]
         ids = block_table.cpu()[live]
