@@ -97,7 +97,18 @@ for step in "${WHAT[@]}"; do
     if [ $WARMED -eq 0 ]; then warm_flashinfer; WARMED=1; fi
     t0=$(date +%s)
     echo "===== bench_$step $(date -u '+%T UTC')" >> "$OUT/bench.log"
-    python3 "benchmarks/bench_$step.py" ${EXTRA[@]+"${EXTRA[@]}"} 2>&1 | tee -a "$OUT/bench.log"
+    if [ "$step" = "parallel" ]; then  # one process per GPU; NVLink multicast stays off
+      ngpu=$(nvidia-smi -L | wc -l)
+      if [ "$ngpu" -lt 2 ]; then
+        echo "bench_parallel needs >= 2 GPUs (this machine has $ngpu): skipped" | tee -a "$OUT/bench.log"
+        SUMMARY+=("parallel: skipped (1 GPU)"); continue
+      fi
+      NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        torchrun --nproc_per_node="$ngpu" benchmarks/bench_parallel.py --out "$OUT/parallel_${GPU}x$ngpu.json" \
+        ${EXTRA[@]+"${EXTRA[@]}"} 2>&1 | tee -a "$OUT/bench.log"
+    else
+      python3 "benchmarks/bench_$step.py" ${EXTRA[@]+"${EXTRA[@]}"} 2>&1 | tee -a "$OUT/bench.log"
+    fi
     rc=$?
     SUMMARY+=("$step: rc=$rc ($(( $(date +%s) - t0 )) s)")
   else
