@@ -33,6 +33,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ``plan`` (from :func:`plan_decode` with the host lengths) balances the work over the GPU and
     lets lengths be checked without reading the device; without one, a plan sized by the table's
     capacity is used (exact, but ragged batches are balanced worse).
+
+    A plan owns the fp32 workspace of the partial states, and so does the capacity plan cached per
+    shape when ``plan=None``: calls that share one run one after another on a stream (as the layers
+    of a step do); concurrent decodes on different streams need plans of their own.
     """
     nb, bs, hkv, d, hq, scale = check_attention_inputs(q, k_cache, v_cache, scale)
     batch = q.shape[0]
