@@ -162,20 +162,23 @@ class Bench:
         if self.rank == 0:
             print(json.dumps(kw), flush=True)
 
-    def make_shard(self, b, ctx, hq, hkv, d, bs):
-        """This rank's round-robin shard of b requests of ctx tokens (random data, shuffled pages)."""
-        pl = Placement(self.world, self.rank, bs)
-        n_local = int(pl.local_lens(ctx))
-        blocks = -(-ctx // bs)
-        cols = -(-blocks // self.world)  # the most any rank holds: equal shapes everywhere (ring needs them)
+    def paged(self, b, cols, tokens, hq, hkv, d, bs):
+        """b requests of ``tokens`` each over ``cols`` shuffled pages apiece (random data), and their plan."""
         nb = b * cols
         k = torch.randn(nb, bs, hkv, d, device=self.dev, dtype=self.dtype)
         v = torch.randn(nb, bs, hkv, d, device=self.dev, dtype=self.dtype)
         bt = torch.randperm(nb, device=self.dev).to(torch.int32).view(b, cols)
-        sl = torch.full((b,), n_local, dtype=torch.int32, device=self.dev)
-        plan = pb.plan_decode([n_local] * b, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+        sl = torch.full((b,), tokens, dtype=torch.int32, device=self.dev)
+        plan = pb.plan_decode([tokens] * b, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                               device=self.dev)
         return k, v, bt, sl, plan
+
+    def make_shard(self, b, ctx, hq, hkv, d, bs):
+        """This rank's round-robin shard of b requests of ctx tokens."""
+        n_local = int(Placement(self.world, self.rank, bs).local_lens(ctx))
+        blocks = -(-ctx // bs)
+        cols = -(-blocks // self.world)  # the most any rank holds: equal shapes everywhere (ring needs them)
+        return self.paged(b, cols, n_local, hq, hkv, d, bs)
 
     def query(self, b, hq, d):
         q = torch.randn(b, hq, d, device=self.dev, dtype=self.dtype)
@@ -257,7 +260,7 @@ class Bench:
             rec = dict(base, kind="single")
             if self.rank == 0:
                 try:
-                    k, v, bt, sl, plan = self._single(b, ctx, hq, hkv, d, bs)
+                    k, v, bt, sl, plan = self.paged(b, -(-ctx // bs), ctx, hq, hkv, d, bs)
                     one = lambda: pb.paged_decode(q, k, v, bt, sl, plan=plan)  # noqa: E731
                     rec["latency_us"] = self.time_us(one, collective=False)
                     if self.cuda:
@@ -313,17 +316,6 @@ class Bench:
             if res["ring"]["peak_mem_bytes"]:
                 ratios["tree_peak_over_ring"] = tree["peak_mem_bytes"] / res["ring"]["peak_mem_bytes"]
         self.record(**ratios)
-
-    def _single(self, b, ctx, hq, hkv, d, bs):
-        cols = -(-ctx // bs)
-        nb = b * cols
-        k = torch.randn(nb, bs, hkv, d, device=self.dev, dtype=self.dtype)
-        v = torch.randn(nb, bs, hkv, d, device=self.dev, dtype=self.dtype)
-        bt = torch.randperm(nb, device=self.dev).to(torch.int32).view(b, cols)
-        sl = torch.full((b,), ctx, dtype=torch.int32, device=self.dev)
-        plan = pb.plan_decode([ctx] * b, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                              device=self.dev)
-        return k, v, bt, sl, plan
 
 
 def summary(records, world) -> str:

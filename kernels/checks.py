@@ -117,11 +117,6 @@ def check_block_table(block_table, seq_lens, num_blocks: int, block_size: int, b
                 f"(min {int(ids.min())}, max {int(ids.max())})")
 
 
-def check_out(name: str, out, shape: tuple, dtype, device) -> None:
-    check_tensor(name, out, dtypes=(dtype,), device=device)
-    check_shape(name, out, shape)
-
-
 def check_attention_inputs(q, k_cache, v_cache, scale):
     """q [*, Hq, D] against a ``[NB, BS, Hkv, D]`` cache pair -> ``(NB, BS, Hkv, D, Hq, scale)``."""
     nb, bs, hkv, d = check_kv_cache(k_cache, v_cache)
