@@ -21,6 +21,7 @@ lengths, so a CUDA graph captured with the plan replays correctly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ PROGRAMS_PER_SM = 2
 # Stream-K keeps whole segments (no split) when that is at most this much slower than an even cut.
 NO_SPLIT_SLACK = 1.15
 WORK_FIELDS = 5  # (request, kv_head, token_start, token_end, partial slot or -1 = write output)
+ROW = np.dtype((np.void, 4 * WORK_FIELDS))  # a work row as one item, so a gather moves whole rows
 
 
 def block_n_for(head_dim: int) -> int:
@@ -52,18 +54,17 @@ def _as_host_lens(seq_lens_cpu) -> np.ndarray:
     arr = np.asarray(seq_lens_cpu)
     if arr.ndim != 1:
         raise ValueError(f"seq_lens_cpu must be 1-D [B], got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"seq_lens_cpu must hold integers, got {arr.dtype}")
-    if arr.size and arr.min() < 0:
-        raise ValueError(f"seq_lens_cpu must be >= 0, got min {arr.min()}")
+    if arr.size:
+        if arr.dtype.kind not in "iu":  # np.issubdtype(dtype, np.integer), a tenth of the cost
+            raise TypeError(f"seq_lens_cpu must hold integers, got {arr.dtype}")
+        if arr.min() < 0:
+            raise ValueError(f"seq_lens_cpu must be >= 0, got min {arr.min()}")
     return arr.astype(np.int64)
 
 
-def _dedupe_sorted(a: np.ndarray) -> np.ndarray:
-    """np.unique for an already sorted array, without its sort or hashing."""
-    keep = np.ones(a.size, dtype=bool)
-    np.not_equal(a[1:], a[:-1], out=keep[1:])
-    return a[keep]
+def _keeps_whole_segments(n_seg: int, longest: int, total: int, grid: int) -> bool:
+    """Stream-K cuts only at segment boundaries when whole segments already balance the GPU."""
+    return n_seg >= grid and -(-n_seg // grid) * longest <= NO_SPLIT_SLACK * total / grid
 
 
 def _program_bounds(seg_units: np.ndarray, seg_bounds: np.ndarray, mode: str, grid: int) -> np.ndarray:
@@ -71,21 +72,73 @@ def _program_bounds(seg_units: np.ndarray, seg_bounds: np.ndarray, mode: str, gr
     ``seg_bounds [S + 1]``: the segments' cumulative units, from 0."""
     total = int(seg_bounds[-1])
     if mode == "split":
-        live = max(1, int((seg_units > 0).sum()))
+        live = max(1, int(np.count_nonzero(seg_units)))
         chunks = max(1, -(-grid // live))
         per = np.maximum(1, -(-seg_units // chunks))  # units per chunk, per segment
-        n_chunks = np.where(seg_units > 0, -(-seg_units // per), 0)
-        starts = np.repeat(seg_bounds[:-1], n_chunks)
-        first = np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)
-        offs = (np.arange(int(n_chunks.sum())) - first) * np.repeat(per, n_chunks)
-        return _dedupe_sorted(np.concatenate([starts + offs, [total]]))  # chunk starts are ascending
-    # stream_k: keep whole segments when they already balance the GPU.
+        n_chunks = -(-seg_units // per)  # 0 for an empty segment
+        first = np.cumsum(n_chunks) - n_chunks  # [S] index of each segment's first chunk
+        # The chunk starts (ascending and distinct: an empty segment has no chunk), then U. Chunk
+        # k starts k - first[s] chunks into its segment s.
+        bounds = np.empty(int(n_chunks.sum()) + 1, dtype=np.int64)
+        base = np.repeat(seg_bounds[:-1] - first * per, n_chunks)
+        bounds[:-1] = base + np.arange(base.size) * np.repeat(per, n_chunks)
+        bounds[-1] = total
+        return bounds
     n_seg = seg_units.size
-    longest = int(seg_units.max()) if n_seg else 0
-    if n_seg >= grid and -(-n_seg // grid) * longest <= NO_SPLIT_SLACK * total / grid:
-        idx = (np.arange(grid + 1) * n_seg) // grid
-        return seg_bounds[idx]
+    if _keeps_whole_segments(n_seg, int(seg_units.max()) if n_seg else 0, total, grid):
+        return seg_bounds[(np.arange(grid + 1) * n_seg) // grid]
     return (np.arange(grid + 1, dtype=np.int64) * total) // grid
+
+
+def _cuts(seg_bounds: np.ndarray, bounds: np.ndarray):
+    """Where the program bounds ``bounds [R + 1]`` (ascending) fall in the segments ``seg_bounds [S + 1]``.
+
+    A bound strictly inside a segment is a *cut* (equal bounds cut once): the piece it starts
+    continues that segment. -> ``(prog_ptr [R + 1], edges [C + 2], cut_off [C])``: the pieces
+    below each bound; 0, each cut's piece, and the number of pieces; each cut's units into its segment.
+    """
+    at = seg_bounds.searchsorted(bounds)  # segment starts below each bound
+    inner = seg_bounds[at] != bounds
+    seg = at - inner  # the segment holding the bound, or the first one starting at it
+    cut = inner.copy()
+    cut[1:] &= bounds[1:] != bounds[:-1]
+    # Pieces below a bound: segments starting below it, plus the cuts below it.
+    prog_ptr = seg + cut.cumsum()
+    cut_at = prog_ptr[cut]
+    edges = np.empty(cut_at.size + 2, dtype=np.int64)
+    edges[0], edges[1:-1], edges[-1] = 0, cut_at, seg_bounds.size - 1 + cut_at.size
+    return prog_ptr, edges, (bounds - seg_bounds[seg])[cut]
+
+
+def _even_cuts(units: np.ndarray, hkv: int, grid: int, req_bounds: np.ndarray, total: int):
+    """``_cuts`` of stream-K's even program bounds, for the decode segments (request b's ``hkv``
+    segments hold ``units[b]`` units each): found among the B requests, not the B x Hkv segments.
+    ``req_bounds [B + 1]``: units before each request's first segment; ``total`` > 0."""
+    bounds = (np.arange(grid + 1, dtype=np.int64) * total) // grid
+    req = req_bounds[1:].searchsorted(bounds, side="right")  # [G + 1] request holding each bound (B: the end)
+    # (units.take clips B to B - 1; the end's offset is 0 anyway.)
+    head, off = np.divmod(bounds - req_bounds.take(req), units.take(req, mode="clip"))
+    cut = off != 0
+    if total < grid:  # equal bounds cut once
+        cut[1:] &= bounds[1:] != bounds[:-1]
+    prog_ptr = req * hkv + head + cut.cumsum()  # as in _cuts
+    # The first and last bounds (0 and U) are never cuts; their pieces are 0 and the count.
+    cut[0] = cut[-1] = True
+    return prog_ptr, prog_ptr[cut], off[cut][1:-1]
+
+
+def _runs(edges: np.ndarray, ramp: np.ndarray, seg_ptr: np.ndarray) -> np.ndarray:
+    """Each piece's segment, and each segment's first piece into ``seg_ptr [S + 1]``, from the cuts'
+    ``edges [C + 2]`` (see ``_cuts``). The cuts split the line of pieces into C + 1 runs of
+    consecutive segments, run j shifted j pieces from its segments. ``ramp``: arange(>= P + 1), of
+    seg_ptr's dtype (int32 for the decode plan: half the bytes, and no cast)."""
+    runs = edges[1:] - edges[:-1]  # [C + 1] pieces per run
+    run = ramp[: runs.size]
+    seg = ramp[: edges[-1]] - run.repeat(runs)  # [P]
+    runs[1:] -= 1  # segments starting in each run: a run after a cut starts inside a segment
+    np.add(ramp[: seg_ptr.size - 1], run.repeat(runs), out=seg_ptr[:-1])
+    seg_ptr[-1] = edges[-1]
+    return seg
 
 
 def cut_pieces(seg_units: np.ndarray, grid: int, mode: str = "stream_k"):
@@ -94,37 +147,37 @@ def cut_pieces(seg_units: np.ndarray, grid: int, mode: str = "stream_k"):
     -> ``(seg [P], unit_start [P], unit_end [P], seg_ptr [S + 1], prog_ptr [R + 1])``: the pieces
     in order (units counted within their segment), each segment's pieces ``seg_ptr[s]..
     seg_ptr[s+1]``, and each of the R program runs' first piece (R = ``grid`` for stream-K).
-    Shared by the decode plan and the cascade plan's node and tail work.
+    For the cascade plan's node and tail work; the decode plan writes its buffers from the same
+    steps directly.
     """
+    seg_units = np.asarray(seg_units, dtype=np.int64)
     n_seg = seg_units.size
     seg_bounds = np.zeros(n_seg + 1, dtype=np.int64)
     np.cumsum(seg_units, out=seg_bounds[1:])
-    prog_bounds = _program_bounds(seg_units, seg_bounds, mode, grid)
-    total = int(seg_bounds[-1])
-    # Pieces = segments cut again at the program bounds that fall strictly inside them. Only the
-    # program bounds are searched, never the (longer) list of segment bounds.
-    cut = _dedupe_sorted(prog_bounds)
-    at = np.searchsorted(seg_bounds, cut)
-    inner = at <= n_seg
-    inner[inner] = seg_bounds[at[inner]] != cut[inner]
-    inner &= (cut > 0) & (cut < total)
-    cut, cut_seg = cut[inner], at[inner] - 1  # sorted, so grouped by segment
-    per_seg = 1 + np.bincount(cut_seg, minlength=n_seg)
-    seg_ptr = np.zeros(n_seg + 1, dtype=np.int64)
-    np.cumsum(per_seg, out=seg_ptr[1:])
-    n = int(seg_ptr[-1])
-    seg = np.repeat(np.arange(n_seg), per_seg)  # [P]
-    starts = np.empty(n, dtype=np.int64)
-    first = np.zeros(n, dtype=bool)
-    first[seg_ptr[:-1]] = True
-    starts[first] = seg_bounds[:-1]
-    starts[~first] = cut
-    ends = np.empty(n, dtype=np.int64)
-    ends[:-1] = starts[1:]
-    ends[-1:] = total
-    seg_start = seg_bounds[seg]
-    prog_ptr = np.searchsorted(starts, prog_bounds, side="left")
-    return seg, starts - seg_start, ends - seg_start, seg_ptr, prog_ptr
+    prog_ptr, edges, cut_off = _cuts(seg_bounds, _program_bounds(seg_units, seg_bounds, mode, grid))
+    seg_ptr = np.empty(n_seg + 1, dtype=np.int64)
+    seg = _runs(edges, np.arange(edges[-1] + 1), seg_ptr)
+    cut_at = edges[1:-1]
+    start = np.zeros(seg.size, dtype=np.int64)
+    start[cut_at] = cut_off
+    end = seg_units[seg]
+    end[cut_at - 1] = cut_off
+    return seg, start, end, seg_ptr, prog_ptr
+
+
+@lru_cache(maxsize=16)
+def _constants(rows: int, batch: int, hkv: int):
+    """Read-only arrays a plan's shape fixes: ``arange(rows + 1)`` (int32), and each segment's row when
+    not cut, ``(request, kv_head, 0, 0, -1)`` ``[B * Hkv, 5] int32`` (a plan copies it and fills
+    token_end)."""
+    ramp = np.arange(rows + 1, dtype=np.int32)
+    whole = np.zeros((batch, hkv, WORK_FIELDS), dtype=np.int32)
+    whole[:, :, 0] = np.arange(batch)[:, None]
+    whole[:, :, 1] = np.arange(hkv)
+    whole[:, :, 4] = -1
+    for a in (ramp, whole):
+        a.flags.writeable = False
+    return ramp, whole.reshape(batch * hkv, WORK_FIELDS)
 
 
 @dataclass
@@ -151,9 +204,18 @@ class DecodePlan:
     partial_o: torch.Tensor = field(default=None, repr=False)
     partial_lse: torch.Tensor = field(default=None, repr=False)
     _host: np.ndarray = field(default=None, repr=False)  # the partition, as last written
-    _units: np.ndarray = field(default=None, repr=False)  # tiles per request of that partition
-    _last_ends: np.ndarray = field(default=None, repr=False)  # where each segment's last token_end is
-    _staging: list = field(default=None, repr=False)
+    _work: np.ndarray = field(default=None, repr=False)  # [max_pieces, 5] its work
+    _rows: np.ndarray = field(default=None, repr=False)  # [max_pieces] the same, one 20-byte item a row
+    _prog_ptr: np.ndarray = field(default=None, repr=False)  # [G + 1] its prog_ptr
+    _seg_ptr: np.ndarray = field(default=None, repr=False)  # [S + 1] its seg_ptr
+    _whole_rows: np.ndarray = field(default=None, repr=False)  # [S] each segment's row when not cut
+    _whole_lens: np.ndarray = field(default=None, repr=False)  # [B, Hkv] their token_end
+    _ramp: np.ndarray = field(default=None, repr=False)  # arange(max_pieces + 1), int32
+    _req_bounds: np.ndarray = field(default=None, repr=False)  # [B + 1] scratch
+    _units: np.ndarray = field(default=None, repr=False)  # tiles per request of the partition
+    _last: np.ndarray = field(default=None, repr=False)  # [S] each segment's last piece, once asked for
+    _staging: list = field(default=None, repr=False)  # 2 pinned tensors
+    _staging_host: list = field(default=None, repr=False)  # their numpy views
     _copied: list = field(default=None, repr=False)
     _flip: int = 0
 
@@ -189,11 +251,14 @@ class DecodePlan:
         if lens.size != self.batch_size:
             raise ValueError(f"seq_lens_cpu must have {self.batch_size} entries (the plan's batch size), "
                              f"got {lens.size}")
+        return self._update(lens)
+
+    def _update(self, lens: np.ndarray) -> "DecodePlan":
+        """``update`` of checked lengths (``_as_host_lens``)."""
         self.seq_lens_host = lens
-        size = self.max_pieces * WORK_FIELDS + self.num_programs + 1 + self.batch_size * self.num_kv_heads + 1
         if self.buffers is None:
-            self._allocate(size)
-        self._partition(lens, self._host)
+            self._allocate()
+        self._partition(lens)
         if self.device.type != "cuda":
             return self  # _host is the buffer itself
         # Two pinned staging buffers, alternated: the CPU may run a step ahead of the GPU, so a
@@ -201,52 +266,101 @@ class DecodePlan:
         i = self._flip = 1 - self._flip
         if self._copied[i] is not None:
             self._copied[i].synchronize()
-        np.copyto(self._staging[i].numpy(), self._host)
+        # Only the live work rows and the pointers: rows past num_pieces are never read.
+        host, staging, live = self._host, self._staging_host[i], self.num_pieces * WORK_FIELDS
+        staging[:live] = host[:live]
+        tail = self._prog_ptr.size + self._seg_ptr.size
+        staging[-tail:] = host[-tail:]
         self.buffers.copy_(self._staging[i], non_blocking=True)
         self._copied[i] = torch.cuda.Event()
         self._copied[i].record()
         return self
 
-    def _allocate(self, size: int) -> None:
-        dev = self.device
+    def _allocate(self) -> None:
+        dev, b, hkv, rows = self.device, self.batch_size, self.num_kv_heads, self.max_pieces
+        size = rows * WORK_FIELDS + self.num_programs + 1 + b * hkv + 1
         self.buffers = torch.zeros(size, dtype=torch.int32, device=dev)
         group = self.num_q_heads // self.num_kv_heads
-        self.partial_o = torch.empty(self.max_pieces, group, self.head_dim, dtype=torch.float32, device=dev)
-        self.partial_lse = torch.empty(self.max_pieces, group, dtype=torch.float32, device=dev)
+        self.partial_o = torch.empty(rows, group, self.head_dim, dtype=torch.float32, device=dev)
+        self.partial_lse = torch.empty(rows, group, dtype=torch.float32, device=dev)
         if dev.type == "cuda":
             self._host = np.zeros(size, dtype=np.int32)
             self._staging = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in range(2)]
+            self._staging_host = [t.numpy() for t in self._staging]
             self._copied, self._flip = [None, None], 0
         else:
             self._host = self.buffers.numpy()
+        at = rows * WORK_FIELDS
+        self._work = self._host[:at].reshape(rows, WORK_FIELDS)
+        self._rows = self._host[:at].view(ROW)
+        self._prog_ptr = self._host[at: at + self.num_programs + 1]
+        self._seg_ptr = self._host[at + self.num_programs + 1:]
+        self._ramp, whole = _constants(rows, b, hkv)
+        whole = whole.copy()
+        self._whole_rows = whole.reshape(-1).view(ROW)
+        self._whole_lens = whole.reshape(b, hkv, WORK_FIELDS)[:, :, 3]
+        self._req_bounds = np.zeros(b + 1, dtype=np.int64)
 
-    def _partition(self, lens: np.ndarray, out: np.ndarray) -> None:
-        """Writes ``work | prog_ptr | seg_ptr`` into the int32 host array ``out``."""
-        hkv, bn, g = self.num_kv_heads, self.block_n, self.num_programs
+    def _partition(self, lens: np.ndarray) -> None:
+        """Writes ``work | prog_ptr | seg_ptr`` into the int32 host array ``_host``."""
+        hkv, bn, g = self.num_kv_heads, self.block_n, self.target_programs
         # An empty segment still gets one (empty) piece, which writes o = 0, lse = -inf.
-        req_units = np.maximum((lens + (bn - 1)) // bn, 1)
-        if self._units is not None and np.array_equal(req_units, self._units):
+        units = np.maximum((lens + (bn - 1)) // bn, 1)  # [B]
+        work = self._work
+        if self._units is not None and units.tobytes() == self._units.tobytes():  # (faster than array_equal)
             # The same tiles as last step (a decode step adds one token; a request crosses a tile
             # boundary once per block_n tokens): only the last piece of each segment ends elsewhere.
-            out[self._last_ends] = np.repeat(lens, hkv)
+            if self._last is None:
+                self._last = self._seg_ptr[1:] - 1
+            work[self._last, 3] = lens.repeat(hkv)
             return
-        seg_units = np.repeat(req_units, hkv)  # [S], S = B * Hkv
-        seg, u0, u1, seg_ptr, prog_ptr_cut = cut_pieces(seg_units, self.target_programs, self.mode)
-        n = seg.size
-        req = seg // hkv
-        work = out[: self.max_pieces * WORK_FIELDS].reshape(-1, WORK_FIELDS)
-        work[:n, 0] = req
-        work[:n, 1] = seg - req * hkv
-        work[:n, 2] = u0 * bn
-        work[:n, 3] = np.minimum(u1 * bn, lens[req])
-        work[:n, 4] = np.where(np.diff(seg_ptr)[seg] > 1, np.arange(n), -1)
-        at = self.max_pieces * WORK_FIELDS
-        prog_ptr = out[at: at + g + 1]
-        prog_ptr[: prog_ptr_cut.size] = prog_ptr_cut
-        prog_ptr[prog_ptr_cut.size:] = n  # programs past the last cut get empty runs
-        out[at + g + 1:] = seg_ptr
+        self._units, self._last = units, None
+        self._whole_lens[:] = lens[:, None]
+        s = self._whole_rows.size
+        if self.mode == "stream_k":
+            req_bounds = self._req_bounds
+            units.cumsum(out=req_bounds[1:])
+            req_bounds *= hkv
+            total = int(req_bounds[-1])
+            if s == 0 or (s >= g and _keeps_whole_segments(s, int(units.max()), total, g)):
+                self._write_whole((np.arange(g + 1, dtype=np.int64) * s) // g)
+                return
+            prog_ptr, edges, cut_off = _even_cuts(units, hkv, g, req_bounds, total)
+        elif s >= g:  # split-KV into one chunk per segment
+            self._write_whole(self._ramp[: s + 1])
+            return
+        else:
+            seg_units = units.repeat(hkv)
+            seg_bounds = np.zeros(s + 1, dtype=np.int64)
+            seg_units.cumsum(out=seg_bounds[1:])
+            prog_ptr, edges, cut_off = _cuts(seg_bounds, _program_bounds(seg_units, seg_bounds, "split", g))
+        if edges.size == 2:  # no cut
+            self._write_whole(prog_ptr)
+            return
+        n = int(edges[-1])
+        seg = _runs(edges, self._ramp, self._seg_ptr)
+        # Every piece starts as its segment's whole row; the pieces around each cut then get the
+        # cut's token, and all pieces of a cut segment their own workspace slot.
+        self._whole_rows.take(seg, out=self._rows[:n], mode="clip")
+        cut_at = edges[1:-1]
+        cut_tok, before = cut_off * bn, cut_at - 1
+        work[cut_at, 2] = cut_tok
+        work[before, 3] = cut_tok
+        work[cut_at, 4] = cut_at
+        work[before, 4] = before
+        self._write_prog_ptr(prog_ptr, n)
+
+    def _write_whole(self, prog_ptr: np.ndarray) -> None:
+        """No segment is cut: one piece per segment."""
+        s = self._whole_rows.size
+        self._rows[:s] = self._whole_rows
+        self._seg_ptr[:] = self._ramp[: s + 1]
+        self._write_prog_ptr(prog_ptr, s)
+
+    def _write_prog_ptr(self, prog_ptr: np.ndarray, n: int) -> None:
+        self._prog_ptr[: prog_ptr.size] = prog_ptr
+        self._prog_ptr[prog_ptr.size:] = n  # programs past the last bound get empty runs
         self.num_pieces = n
-        self._units, self._last_ends = req_units, (seg_ptr[1:] - 1) * WORK_FIELDS + 3  # column 3
 
 
 def plan_decode(seq_lens_cpu, *, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -283,4 +397,4 @@ def plan_decode(seq_lens_cpu, *, num_q_heads: int, num_kv_heads: int, head_dim: 
     plan = DecodePlan(batch_size=lens.size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                       head_dim=head_dim, block_size=block_size, block_n=int(block_n),
                       target_programs=int(num_programs), mode=mode, device=device, seq_lens_host=lens)
-    return plan.update(lens)
+    return plan._update(lens)

@@ -1,4 +1,7 @@
 """Properties of the host decode partition (no kernels run here)."""
+from bisect import bisect_left
+from itertools import accumulate
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -62,6 +65,47 @@ def test_stream_k_runs_differ_by_at_most_one_unit(lens, g):
     whole_segments = all(work[prog_ptr[i]:prog_ptr[i + 1], 4].max(initial=-1) == -1 for i in range(g))
     if not whole_segments:  # even cut: equal runs
         assert per_prog.max() - per_prog.min() <= 1
+
+
+def reference_partition(lens, hkv, g, bn, mode):
+    """The partition spelled out with Python loops -> (work rows, prog_ptr, seg_ptr)."""
+    seg_units = [max(-(-n // bn), 1) for n in lens for _ in range(hkv)]
+    starts = [0, *accumulate(seg_units)]
+    total, n_seg = starts[-1], len(seg_units)
+    if mode == "split":  # each segment in chunks of equal units, ceil(G / S) chunks or fewer
+        chunks = max(1, -(-g // max(1, n_seg)))
+        bounds = [x for s, u in enumerate(seg_units) for x in range(starts[s], starts[s + 1], -(-u // chunks))]
+        bounds.append(total)
+        num_programs = g + n_seg
+    elif n_seg >= g and -(-n_seg // g) * max(seg_units) <= pb.plan.NO_SPLIT_SLACK * total / g:
+        bounds, num_programs = [starts[i * n_seg // g] for i in range(g + 1)], g  # whole segments
+    else:
+        bounds, num_programs = [i * total // g for i in range(g + 1)], g  # even cut
+    work, seg_ptr, piece_starts = [], [0], []
+    for s, u in enumerate(seg_units):
+        b, h = divmod(s, hkv)
+        edges = sorted({0, u} | {x - starts[s] for x in bounds if starts[s] < x < starts[s + 1]})
+        for lo, hi in zip(edges, edges[1:]):
+            work.append((b, h, lo * bn, min(hi * bn, lens[b]), len(work) if len(edges) > 2 else -1))
+            piece_starts.append(starts[s] + lo)
+        seg_ptr.append(len(work))
+    prog_ptr = [bisect_left(piece_starts, x) for x in bounds]
+    prog_ptr += [len(work)] * (num_programs + 1 - len(prog_ptr))
+    return np.array(work, dtype=np.int64).reshape(-1, 5), prog_ptr, seg_ptr
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(lens=st.lists(st.integers(0, 3000), min_size=0, max_size=12), before=st.lists(st.integers(0, 3000), max_size=12),
+       hkv=st.sampled_from([1, 2, 8]), mode=st.sampled_from(["stream_k", "split"]), g=st.integers(1, 300),
+       block_n=st.sampled_from([16, 64]))
+def test_partition_matches_reference(lens, before, hkv, mode, g, block_n):
+    # A fresh plan, and one updated from other lengths (its buffers hold an older partition).
+    before = (before + lens)[: len(lens)]
+    for plan in (make(lens, hkv, mode, g, block_n=block_n), make(before, hkv, mode, g, block_n=block_n).update(lens)):
+        work, prog_ptr, seg_ptr = host_arrays(plan)
+        ref_work, ref_prog_ptr, ref_seg_ptr = reference_partition(lens, hkv, g, block_n, mode)
+        assert np.array_equal(work, ref_work)
+        assert prog_ptr.tolist() == ref_prog_ptr and seg_ptr.tolist() == ref_seg_ptr
 
 
 def test_no_split_when_batch_fills_gpu():
