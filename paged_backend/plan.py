@@ -279,17 +279,19 @@ class DecodePlan:
     def _allocate(self) -> None:
         dev, b, hkv, rows = self.device, self.batch_size, self.num_kv_heads, self.max_pieces
         size = rows * WORK_FIELDS + self.num_programs + 1 + b * hkv + 1
-        self.buffers = torch.zeros(size, dtype=torch.int32, device=dev)
         group = self.num_q_heads // self.num_kv_heads
         self.partial_o = torch.empty(rows, group, self.head_dim, dtype=torch.float32, device=dev)
         self.partial_lse = torch.empty(rows, group, dtype=torch.float32, device=dev)
+        self._host = np.zeros(size, dtype=np.int32)
         if dev.type == "cuda":
-            self._host = np.zeros(size, dtype=np.int32)
+            self.buffers = torch.zeros(size, dtype=torch.int32, device=dev)
             self._staging = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in range(2)]
             self._staging_host = [t.numpy() for t in self._staging]
             self._copied, self._flip = [None, None], 0
         else:
-            self._host = self.buffers.numpy()
+            # The host array is the buffer. (np.zeros, not torch.zeros: torch fills through its
+            # thread pool, which took milliseconds for 0.7 MB on a busy 2-core machine.)
+            self.buffers = torch.from_numpy(self._host)
         at = rows * WORK_FIELDS
         self._work = self._host[:at].reshape(rows, WORK_FIELDS)
         self._rows = self._host[:at].view(ROW)
