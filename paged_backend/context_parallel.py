@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import paged_backend as pb
 from kernels.checks import FLOAT_DTYPES, check_kv_cache, check_tensor, debug_enabled
-from paged_backend.parallel import CollectiveError, _all_gather_flat, collective, get_merger, grid_groups
+from paged_backend.parallel import CollectiveError, all_gather_flat, collective, get_merger, grid_groups
 from paged_backend.parallel import tree_merge  # noqa: F401 (re-exported, as before)
 
 
@@ -188,7 +188,7 @@ def ring_decode(q, k_cache_local, v_cache_local, block_table_local, seq_lens_loc
     if debug_enabled():  # a mismatch would garble or hang the receives
         shapes = torch.tensor([nb, batch, cols], dtype=torch.int64, device=q.device)
         every = torch.empty(3 * size, dtype=torch.int64, device=q.device)
-        collective("ring_decode shape check", _all_gather_flat, every, shapes, group=group)
+        collective("ring_decode shape check", all_gather_flat, every, shapes, group=group)
         if not bool((every.view(-1, 3) == shapes).all()):
             raise ValueError("k_cache_local/block_table_local: shapes differ across ranks ([NB, B, max_blocks] "
                              f"per rank: {every.view(-1, 3).tolist()}); ring_decode needs equal shapes")
