@@ -8,9 +8,10 @@ bytes each rank sends per decode step (computed from the algorithm), peak memory
 (``torch.cuda.max_memory_allocated`` reset per case; it includes the rank's KV shard). The one-GPU
 baseline is rank 0 alone decoding the whole context with ``pb.paged_decode``. Also times
 ``tree_merge`` alone per strategy against one 4 KB all-reduce: the function, a held ``TreeMerger``
-(no checks), and the merger captured in a CUDA graph (if NCCL capture works; else the error is
-recorded), with the GPU operations per call from the profiler. On a machine without CUDA it runs on
-gloo/CPU (a smoke test: pass small ``--contexts``).
+(no checks; with and without its eager CUDA graphs), and the merger captured in a CUDA graph (if
+NCCL capture works; else the error is recorded), with the GPU operations per call from the profiler;
+and the all-gather merge op by op (merge_timing.py). ``--merge-only`` stops there. On a machine
+without CUDA it runs on gloo/CPU (a smoke test: pass small ``--contexts``).
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ import torch.distributed as dist  # noqa: E402
 import paged_backend as pb  # noqa: E402
 from paged_backend.context_parallel import (Placement, cp_decode, ring_bytes_per_step, ring_decode,  # noqa: E402
                                             shard_paged_kv)
-from paged_backend.parallel import TreeMerger, make_hierarchy, pick_strategy, tree_merge  # noqa: E402
+from paged_backend.parallel import make_hierarchy, pick_strategy  # noqa: E402
+from merge_timing import summary_lines, time_ops, time_strategies, tree_bytes  # noqa: E402
 
 K = 1024
 
@@ -40,16 +42,6 @@ def parse_ctx(s: str) -> int:
     s = s.strip().upper()
     mult = {"K": K, "M": K * K}.get(s[-1], 1)
     return int(float(s[:-1] if s[-1] in "KM" else s) * mult)
-
-
-def tree_bytes(b, hq, d, esize, world, strategy) -> int:
-    """Bytes one rank sends per tree_merge (ring-algorithm collectives, as NCCL runs them on one node)."""
-    if world == 1:
-        return 0
-    msg = b * hq * (d * esize + 4)
-    if strategy == "allgather":
-        return (world - 1) * -(-msg // 16) * 16
-    return 2 * (world - 1) * (b * hq * 4 + b * hq * (d + 1) * 4) // world
 
 
 class Bench:
@@ -224,29 +216,19 @@ class Bench:
         if not a.no_check:
             self.check(hq, hkv, d, bs)
         # one small all-reduce: the unit the merge overhead is compared with
-        small = torch.ones(1024, dtype=torch.float32, device=self.dev)
-        t_small = self.time_us(lambda: dist.all_reduce(small))
-        t_small_graph, err = self.graph_us(lambda: dist.all_reduce(small))
+        buf = torch.ones(1024, dtype=torch.float32, device=self.dev)
+        t_small = self.time_us(lambda: dist.all_reduce(buf))
+        t_small_graph, err = self.graph_us(lambda: dist.all_reduce(buf))
         self.record(kind="allreduce_4KB", world=self.world, latency_us=t_small, graph_us=t_small_graph,
                     graph_error=err)
+        small = self.records[-1]
+        for b in batches:
+            time_strategies(self, b, hq, d, hier, small)
+            time_ops(self, b, hq, d, small)
+        if a.merge_only:
+            return self.records
         for b in batches:
             q = self.query(b, hq, d)
-            o0 = torch.randn(b, hq, d, device=self.dev, dtype=self.dtype)
-            lse0 = torch.randn(b, hq, device=self.dev, dtype=torch.float32) * 5
-            for strat in ("auto", "allreduce", "allgather"):
-                used = pick_strategy(o0, lse0, strat)
-                t = self.time_us(lambda: tree_merge(o0, lse0, strategy=strat, hierarchy=hier))
-                # what an engine does: hold a TreeMerger, skip the checks, and capture the step in a graph
-                merger = TreeMerger(strategy=strat, hierarchy=hier, max_plans=None)
-                t_obj = self.time_us(lambda: merger.merge(o0, lse0, check=False))
-                t_graph, err = self.graph_us(lambda: merger.merge(o0, lse0, check=False))
-                self.record(kind="merge", world=self.world, B=b, strategy=strat, used=used, latency_us=t,
-                            merger_us=t_obj, graph_us=t_graph, graph_error=err,
-                            gpu_ops_per_call=self.gpu_ops_per_call(lambda: merger.merge(o0, lse0, check=False)),
-                            vs_small_allreduce=t / t_small,
-                            graph_vs_small_allreduce_graph=t_graph / t_small_graph if t_graph and t_small_graph
-                            else None,
-                            comm_bytes=tree_bytes(b, hq, d, esize, self.world, used))
             for ctx in contexts:
                 self.case(b, ctx, q, hq, hkv, d, bs, esize, hier)
         return self.records
@@ -349,15 +331,7 @@ def summary(records, world) -> str:
     if small:
         lines.append(f"one 4 KB all-reduce: {small[0]['latency_us']:.1f} us eager, "
                      f"{fmt(small[0].get('graph_us'))} us in a CUDA graph")
-    for r in records:
-        if r["kind"] == "merge":
-            lines.append(f"merge B={r['B']} {r['strategy']:>9} ({r['used']}): tree_merge {r['latency_us']:.1f} us = "
-                         f"{r['vs_small_allreduce']:.2f}x one 4 KB all-reduce; TreeMerger {fmt(r.get('merger_us'))}"
-                         f" us; CUDA graph {fmt(r.get('graph_us'))} us"
-                         + (f" = {r['graph_vs_small_allreduce_graph']:.2f}x the graphed all-reduce"
-                            if r.get("graph_vs_small_allreduce_graph") else "")
-                         + (f" ({r['graph_error']})" if r.get("graph_error") else "")
-                         + (f"; {r['gpu_ops_per_call']} GPU ops/call" if r.get("gpu_ops_per_call") else ""))
+    lines += summary_lines(records)
     return "\n".join(lines)
 
 
@@ -377,6 +351,7 @@ def main():
     ap.add_argument("--skip-single", action="store_true")
     ap.add_argument("--skip-ring", action="store_true")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--merge-only", action="store_true", help="only the 4 KB all-reduce and the merge timings")
     args = ap.parse_args()
     bench = Bench(args)
     records = bench.run()

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 import paged_backend as pb
-from kernels.checks import check_kv_cache, check_tensor, debug_enabled
-from paged_backend.parallel import CollectiveError, _all_gather_flat, collective, get_merger, grid_groups
+from kernels.checks import FLOAT_DTYPES, check_kv_cache, check_tensor, debug_enabled
+from paged_backend.parallel import CollectiveError, all_gather_flat, collective, get_merger, grid_groups
 from paged_backend.parallel import tree_merge  # noqa: F401 (re-exported, as before)
 
 
@@ -118,11 +118,17 @@ def cp_decode(q, k_cache_local, v_cache_local, block_table_local, seq_lens_local
               scale=None, strategy: str = "auto", hierarchy=None):
     """Context-parallel decode: local paged (stream-K) decode of this rank's shard, then
     :func:`tree_merge` over ``group``. q [B, Hq, D] is the same on every rank; ``plan`` is a
-    ``pb.plan_decode`` of the *local* lengths. Returns ``(o [B, Hq, D], lse [B, Hq])`` on every rank."""
+    ``pb.plan_decode`` of the *local* lengths. Returns ``(o [B, Hq, D], lse [B, Hq])`` on every rank
+    (fresh tensors). When the merge is an all-gather, the local decode writes its state straight into
+    the merger's send buffer (no pack copy)."""
     merger = get_merger(group, strategy=strategy, hierarchy=hierarchy)  # validates group/strategy first
-    o, lse = pb.paged_decode(q, k_cache_local, v_cache_local, block_table_local, seq_lens_local,
-                             scale=scale, plan=plan, return_lse=True)
-    return merger.merge(o, lse, check=False)  # fresh contiguous state: packed with one copy, no checks
+    views = None
+    if isinstance(q, torch.Tensor) and q.dim() == 3 and q.dtype in FLOAT_DTYPES:  # else paged_decode names q
+        views = merger.send_views(q.shape, q.dtype, q.device)
+    out, lse_out = views or (None, None)
+    o, lse = pb.paged_decode(q, k_cache_local, v_cache_local, block_table_local, seq_lens_local, scale=scale,
+                             plan=plan, return_lse=True, out=out, lse_out=lse_out)
+    return merger.merge(o, lse, check=False)  # a fresh state (or the send views): no checks needed
 
 
 def cp_cascade_decode(q, k_cache_local, v_cache_local, cplan_local, group=None, *, strategy: str = "auto",
@@ -182,7 +188,7 @@ def ring_decode(q, k_cache_local, v_cache_local, block_table_local, seq_lens_loc
     if debug_enabled():  # a mismatch would garble or hang the receives
         shapes = torch.tensor([nb, batch, cols], dtype=torch.int64, device=q.device)
         every = torch.empty(3 * size, dtype=torch.int64, device=q.device)
-        collective("ring_decode shape check", _all_gather_flat, every, shapes, group=group)
+        collective("ring_decode shape check", all_gather_flat, every, shapes, group=group)
         if not bool((every.view(-1, 3) == shapes).all()):
             raise ValueError("k_cache_local/block_table_local: shapes differ across ranks ([NB, B, max_blocks] "
                              f"per rank: {every.view(-1, 3).tolist()}); ring_decode needs equal shapes")

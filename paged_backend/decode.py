@@ -6,7 +6,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kernels.checks import check_attention_inputs, check_block_table, check_plan_matches
+from kernels.checks import check_attention_inputs, check_block_table, check_plan_matches, check_shape, check_tensor
 from kernels.decode import decode_torch, decode_triton
 from kernels.dispatch import use_triton
 from paged_backend.plan import DecodePlan, plan_decode
@@ -20,9 +20,20 @@ def _capacity_plan(batch: int, capacity: int, hq: int, hkv: int, d: int, bs: int
                        block_size=bs, device=device)
 
 
+def _output(name, t, shape, dtype, device):
+    """A caller's output tensor, checked, or a new one."""
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    check_tensor(name, t, dtypes=(dtype,), device=device)
+    check_shape(name, t, shape)
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {tuple(t.stride())}")
+    return t
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float | None = None, plan: DecodePlan | None = None,
-                 return_lse: bool = True):
+                 return_lse: bool = True, *, out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None):
     """Attention of one query token per request over its paged K/V.
 
     q [B, Hq, D]; k_cache, v_cache [NB, BS, Hkv, D] (any strides); block_table [B, max_blocks]
@@ -37,6 +48,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     A plan owns the fp32 workspace of the partial states, and so does the capacity plan cached per
     shape when ``plan=None``: calls that share one run one after another on a stream (as the layers
     of a step do); concurrent decodes on different streams need plans of their own.
+
+    ``out`` [B, Hq, D] (q's dtype) and ``lse_out`` [B, Hq] float32, contiguous, on q's device: write
+    the results there instead of new tensors (e.g. straight into a collective's send buffer, see
+    ``TreeMerger.send_views``); ``lse_out`` is written even when ``return_lse=False``.
     """
     nb, bs, hkv, d, hq, scale = check_attention_inputs(q, k_cache, v_cache, scale)
     batch = q.shape[0]
@@ -47,8 +62,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                            head_dim=d, block_size=bs)
     check_block_table(block_table, seq_lens, nb, bs, batch, q.device,
                       seq_lens_host=None if plan is None else plan.seq_lens_host)
-    out = torch.empty(batch, hq, d, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device)
+    out = _output("out", out, (batch, hq, d), q.dtype, q.device)
+    lse = _output("lse_out", lse_out, (batch, hq), torch.float32, q.device)
     if use_triton(q):
         if plan is None:
             plan = _capacity_plan(batch, block_table.shape[1] * bs, hq, hkv, d, bs, q.device)

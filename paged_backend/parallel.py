@@ -20,7 +20,9 @@ Strategies (one level):
 Per call, :class:`TreeMerger` (what :func:`tree_merge` uses, cached per group/strategy/hierarchy)
 reuses per-shape buffers and launches: all-gather = 1 pack copy + the collective + 1 merge kernel
 reading the gathered buffer in place; all-reduce = 1 copy + 2 collectives + 2 fused kernels
-(``kernels.merge``). No host syncs, so a warmed-up call can be captured in a CUDA graph.
+(``kernels.merge``). No host syncs, so a warmed-up call can be captured in a CUDA graph. Eager
+calls on NCCL replay a per-shape CUDA graph of that sequence (:mod:`paged_backend.merge_plans`;
+see :class:`TreeMerger`).
 
 Hierarchical: ``hierarchy=(intra, inter)`` (see :func:`make_hierarchy`) merges inside the node
 group first, then across nodes; the intermediate state stays fp32. Results are deterministic for a
@@ -35,18 +37,12 @@ import torch
 import torch.distributed as dist
 
 from kernels.checks import FLOAT_DTYPES, check_shape, check_tensor, debug_enabled
-from kernels.dispatch import use_triton
-from kernels.merge import (merge_gathered_triton, merge_torch, rows_config, weigh_finish_torch, weigh_finish_triton,
-                           weigh_pack_torch, weigh_pack_triton)
+from paged_backend.merge_plans import CollectiveError  # noqa: F401 (public here, as before)
+from paged_backend.merge_plans import GatherPlan, ReducePlan, all_gather_flat, collective, try_capture
 
 STRATEGIES = ("auto", "allreduce", "allgather")
 ALLGATHER_MAX_BYTES = int(os.environ.get("PAGED_BACKEND_ALLGATHER_MAX_BYTES", 256 * 1024))
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # 2.13 renamed it
-
-
-class CollectiveError(RuntimeError):
-    """A collective of :func:`tree_merge` (or of the ring baseline) failed: typically a peer died or
-    did not join within the process group's timeout (``init_process_group(timeout=...)``)."""
+MERGE_GRAPHS = os.environ.get("PAGED_BACKEND_MERGE_GRAPHS", "1") not in ("", "0")  # TreeMerger(graphs=None)
 
 
 class Hierarchy(NamedTuple):
@@ -54,21 +50,6 @@ class Hierarchy(NamedTuple):
     the same position in every node."""
     intra: object
     inter: object
-
-
-def collective(what: str, fn, *args, group=None, **kwargs):
-    """Runs ``fn(*args, group=group, **kwargs)``, turning backend failures into a clear
-    :class:`CollectiveError` (gloo raises on a dead peer or at the group's timeout)."""
-    try:
-        return fn(*args, group=group, **kwargs)
-    except Exception as e:  # RuntimeError / DistBackendError / DistNetworkError from the backend
-        try:
-            size = dist.get_world_size(group)
-        except Exception:
-            size = "?"
-        raise CollectiveError(
-            f"{what} over a group of {size} ranks failed: a peer died or did not join within the process "
-            f"group's timeout ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
 
 
 def _group_ranks(group) -> list[int]:
@@ -141,7 +122,7 @@ def _check_same_everywhere(o, group):
     code = FLOAT_DTYPES.index(o.dtype)
     meta = torch.tensor([*o.shape, code], dtype=torch.int64, device=o.device)
     every = torch.empty(dist.get_world_size(group) * 4, dtype=torch.int64, device=o.device)
-    collective("tree_merge shape check", _all_gather_flat, every, meta, group=group)
+    collective("tree_merge shape check", all_gather_flat, every, meta, group=group)
     if not bool((every.view(-1, 4) == meta).all()):
         raise ValueError(f"o: shapes/dtypes differ across ranks ([T, Hq, D, dtype] per rank: "
                          f"{every.view(-1, 4).tolist()})")
@@ -154,88 +135,15 @@ def pick_strategy(o, lse, strategy: str = "auto") -> str:
     return "allgather" if nbytes <= ALLGATHER_MAX_BYTES else "allreduce"
 
 
-class _GatherPlan:
-    """Buffers and launch config of the all-gather merge for one (shape, dtype, out dtype, device).
-
-    One rank's bytes: ``[lse fp32 | o | pad to 16 B]`` (every dtype view aligned). ``send_o`` /
-    ``send_lse`` are typed views of the send buffer; ``o_all`` / ``lse_all`` per-rank strided views
-    of the receive buffer, read in place by the merge kernel (no unpacking)."""
-    kind = "allgather"
-
-    def __init__(self, shape, dtype, out_dtype, device, size):
-        t, h, d = shape
-        esize = torch.empty((), dtype=dtype).element_size()
-        lb, self.n = t * h * 4, t * h * (4 + d * esize)
-        row = -(-self.n // 16) * 16
-        self.send = torch.zeros(row, dtype=torch.uint8, device=device)  # pad bytes stay 0
-        self.recv = torch.zeros(size * row, dtype=torch.uint8, device=device)
-        self.send_bytes = self.send[:self.n]
-        self.send_lse = self.send[:lb].view(torch.float32).view(t, h)
-        self.send_o = self.send[lb:self.n].view(dtype).view(t, h, d)
-        rv = self.recv.view(size, row)
-        self.lse_all = rv[:, :lb].view(torch.float32).view(size, t, h)
-        self.o_all = rv[:, lb:self.n].view(dtype).view(size, t, h, d)
-        self.out_dtype = out_dtype
-        self.triton = use_triton(self.send)
-        self.cfg = rows_config(t * h, d)
-
-    def buffers(self) -> dict:
-        return {"send": self.send, "recv": self.recv}
-
-    def run(self, o, lse, group, out, out_lse):
-        if o is not self.send_o or lse is not self.send_lse:  # else: the producer wrote into send_views
-            if o.is_contiguous() and lse.is_contiguous():  # one copy kernel: [lse bytes | o bytes]
-                torch.cat([lse.view(torch.uint8).view(-1), o.view(torch.uint8).view(-1)], out=self.send_bytes)
-            else:
-                self.send_lse.copy_(lse)
-                self.send_o.copy_(o)
-        collective("tree_merge all_gather of [lse | o]", _all_gather_flat, self.recv, self.send, group=group)
-        if self.triton:
-            merge_gathered_triton(self.lse_all, self.o_all, out, out_lse, self.cfg)
-        else:
-            merge_torch(self.o_all, self.lse_all, out, out_lse)
-
-
-class _ReducePlan:
-    """Buffers and launch config of the all-reduce merge for one (shape, dtype, out dtype, device):
-    ``m`` [T, H] (copy of lse, reduced with MAX in place) and ``buf`` [T, H, D + 1] fp32 ``[o*w | w]``
-    (reduced with SUM in place). One fused kernel on each side of the SUM."""
-    kind = "allreduce"
-
-    def __init__(self, shape, dtype, out_dtype, device, size):
-        t, h, d = shape
-        self.m = torch.zeros(t, h, dtype=torch.float32, device=device)
-        self.buf = torch.zeros(t, h, d + 1, dtype=torch.float32, device=device)
-        self.out_dtype = out_dtype
-        self.triton = use_triton(self.buf)
-        self.cfg = rows_config(t * h, d)
-
-    def buffers(self) -> dict:
-        return {"max": self.m, "sum": self.buf}
-
-    def run(self, o, lse, group, out, out_lse):
-        m, buf = self.m, self.buf
-        m.copy_(lse)
-        collective("tree_merge all_reduce(MAX) of lse", dist.all_reduce, m, op=dist.ReduceOp.MAX, group=group)
-        if self.triton:
-            weigh_pack_triton(o if o.is_contiguous() else o.contiguous(),
-                              lse if lse.is_contiguous() else lse.contiguous(), m, buf, self.cfg)
-        else:
-            weigh_pack_torch(o, lse, m, buf)
-        collective("tree_merge all_reduce(SUM) of [o*w | w]", dist.all_reduce, buf, op=dist.ReduceOp.SUM,
-                   group=group)
-        if self.triton:
-            weigh_finish_triton(buf, m, out, out_lse, self.cfg)
-        else:
-            weigh_finish_torch(buf, m, out, out_lse)
-
-
 class _Level:
-    """One level of the merge (one group): plans cached by (shape, dtype, out dtype, device)."""
+    """One level of the merge (one group): plans cached by (shape, dtype, out dtype, device).
+    ``graphs``: eager calls may replay CUDA graphs (NCCL groups only: a gloo collective cannot be
+    captured, and a failed attempt could leave peers out of step)."""
 
-    def __init__(self, group, strategy, max_plans):
+    def __init__(self, group, strategy, max_plans, graphs):
         self.group, self.strategy, self.max_plans = group, strategy, max_plans
         self.size = dist.get_world_size(group)
+        self.graphs = graphs and self.size > 1 and "nccl" in str(dist.get_backend(group))
         self.plans: dict = {}
 
     def plan(self, shape, dtype, out_dtype, device):
@@ -243,19 +151,50 @@ class _Level:
         p = self.plans.get(key)
         if p is None:
             t, h, d = shape
-            nbytes = t * h * (d * torch.empty((), dtype=dtype).element_size() + 4)
+            nbytes = t * h * (d * dtype.itemsize + 4)
             kind = self.strategy if self.strategy != "auto" else \
                 ("allgather" if nbytes <= ALLGATHER_MAX_BYTES else "allreduce")
             if self.max_plans is not None and len(self.plans) >= self.max_plans:
                 self.plans.pop(next(iter(self.plans)))  # oldest first
-            p = self.plans[key] = (_GatherPlan if kind == "allgather" else _ReducePlan)(
-                tuple(shape), dtype, out_dtype, device, self.size)
+            p = self.plans[key] = (GatherPlan if kind == "allgather" else ReducePlan)(
+                tuple(shape), dtype, out_dtype, device, self.size, self.graphs and device.type == "cuda")
         return p
+
+    def replayed(self, p, o, lse) -> bool:
+        """Eager fast path: stages the inputs and replays ``p.graph`` (result in ``p.graph.result``).
+        False: run the plain path (graphs off, the shape's first call, a failed capture, or the
+        caller is capturing a graph itself). Every rank takes the same branch: the calls of a
+        collective come in the same order with the same shapes everywhere."""
+        if p.graph is False or torch.cuda.is_current_stream_capturing():
+            return False
+        if p.graph is None:
+            if not p.warm:
+                p.warm = True
+                return False
+            p.stage(o, lse)
+            p.graph = self._capture(p)
+            if not p.graph:
+                return False
+        else:
+            p.stage(o, lse)
+        p.graph.replay()
+        return True
+
+    def _capture(self, p):
+        # Once per shape: every rank must have a graph before any replays one (else a replayed
+        # collective meets a plain one or none), so agree with one all-reduce and one host sync.
+        g = try_capture(p, self.group)
+        ok = torch.tensor([g is not None], dtype=torch.int32, device=p.device)
+        collective("tree_merge CUDA-graph capture agreement", dist.all_reduce, ok, op=dist.ReduceOp.MIN,
+                   group=self.group)
+        return g if bool(ok.item()) else False
 
     def merge(self, o, lse, out_dtype, plan=None):
         if self.size == 1:
             return o.to(out_dtype), lse
         p = plan or self.plan(o.shape, o.dtype, out_dtype, o.device)
+        if self.replayed(p, o, lse):
+            return p.graph.take()  # a copy: the static result is overwritten by the next replay
         out = torch.empty(o.shape, dtype=out_dtype, device=o.device)
         out_lse = torch.empty(lse.shape, dtype=torch.float32, device=o.device)
         p.run(o, lse, self.group, out, out_lse)
@@ -263,7 +202,11 @@ class _Level:
 
     def merge_into(self, o, lse, out, out_lse):
         """Merge writing into given contiguous outputs (the next level's send views)."""
-        self.plan(o.shape, o.dtype, out.dtype, o.device).run(o, lse, self.group, out, out_lse)
+        p = self.plan(o.shape, o.dtype, out.dtype, o.device)
+        if self.replayed(p, o, lse):
+            p.graph.copy_to(out, out_lse)
+        else:
+            p.run(o, lse, self.group, out, out_lse)
 
 
 class TreeMerger:
@@ -279,21 +222,39 @@ class TreeMerger:
     buffer. ``max_plans`` bounds the shapes cached per level (oldest dropped; ``None``: unbounded -
     use that, or a bound above the number of captured shapes, when calls are captured in CUDA graphs,
     since a graph keeps using the buffers it captured). Not thread-safe; one stream at a time.
+
+    ``graphs`` (default: env ``PAGED_BACKEND_MERGE_GRAPHS``, on unless ``0``): eager calls on an
+    NCCL group replay a per-shape CUDA graph instead of launching the collective(s) and kernel(s)
+    from Python. The first call of a shape runs plain (compiles the kernels, brings the communicator
+    up); the second captures the sequence after the input copy - collective(s) + kernel(s) writing a
+    static result - and all ranks agree on the outcome (one small all-reduce and one host sync per
+    shape; if any rank failed, every rank keeps the plain path for that shape). Later calls cost one
+    input copy (none for :meth:`send_views` inputs) + one graph launch + one copy of the result into
+    a fresh tensor. That last copy is the price of safety: returning the static result would let the
+    next call overwrite what the caller holds; a caller that wants no copies at all captures its
+    whole step in a CUDA graph (inside a capture this path is off and the kernels write straight into
+    the outputs). Trade-offs: a replayed collective is not tracked by c10d's NCCL watchdog, so a dead
+    peer hangs the call instead of timing out (set ``graphs=False`` where that matters); each cached
+    shape holds one graph and one result buffer; the setting must be the same on every rank.
     """
 
-    def __init__(self, group=None, *, strategy: str = "auto", hierarchy=None, max_plans: int | None = 64):
+    def __init__(self, group=None, *, strategy: str = "auto", hierarchy=None, max_plans: int | None = 64,
+                 graphs: bool | None = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if max_plans is not None and (isinstance(max_plans, bool) or not isinstance(max_plans, int)
                                       or max_plans < 1):
             raise ValueError(f"max_plans must be a positive int or None, got {max_plans!r}")
+        if graphs is not None and not isinstance(graphs, bool):
+            raise TypeError(f"graphs must be a bool or None, got {type(graphs).__name__}")
         self.hierarchy = _check_group(group, hierarchy)
         self.group, self.strategy = group, strategy
+        graphs = MERGE_GRAPHS if graphs is None else graphs
         if self.hierarchy is None:
-            self.levels = (_Level(group, strategy, max_plans),)
+            self.levels = (_Level(group, strategy, max_plans, graphs),)
         else:
-            self.levels = (_Level(self.hierarchy.intra, strategy, max_plans),
-                           _Level(self.hierarchy.inter, strategy, max_plans))
+            self.levels = (_Level(self.hierarchy.intra, strategy, max_plans, graphs),
+                           _Level(self.hierarchy.inter, strategy, max_plans, graphs))
 
     def merge(self, o: torch.Tensor, lse: torch.Tensor, *, check: bool = True):
         """:func:`tree_merge` of ``(o, lse)`` over this merger's group. ``check=False`` skips the

@@ -49,6 +49,15 @@ def call_decode(args, **kw):
                                         device="cpu") .update([20, 10 ** 6])), ValueError, "capacity"),
     (lambda a: dict(plan=pb.plan_decode([20, 5], num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16,
                                         device="cpu")), ValueError, "plan.head_dim"),
+    (lambda a: dict(out=a["q"].numpy()), TypeError, "^out "),
+    (lambda a: dict(out=torch.empty(2, 8, 32)), ValueError, "^out "),
+    (lambda a: dict(out=torch.empty(2, 8, 64, dtype=torch.half)), TypeError, "^out "),
+    (lambda a: dict(out=torch.empty(2, 8, 64, device="meta")), ValueError, "^out "),
+    (lambda a: dict(out=torch.empty(8, 2, 64).transpose(0, 1)), ValueError, "^out must be contiguous"),
+    (lambda a: dict(lse_out=[0.0]), TypeError, "^lse_out "),
+    (lambda a: dict(lse_out=torch.empty(2, 8, dtype=torch.float64)), TypeError, "^lse_out "),
+    (lambda a: dict(lse_out=torch.empty(8, 2)), ValueError, "^lse_out "),
+    (lambda a: dict(lse_out=torch.empty(8, 2).t()), ValueError, "^lse_out must be contiguous"),
 ])
 def test_decode_bad_argument(dec, change, err, match):
     with pytest.raises(err, match=match):

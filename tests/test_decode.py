@@ -105,6 +105,21 @@ def test_return_lse_false():
     assert isinstance(out, torch.Tensor) and out.shape == q.shape
 
 
+def test_caller_outputs():
+    """out/lse_out are written in place and returned, with the same bits as new outputs; views of
+    one buffer work (as TreeMerger's send views)."""
+    q, k, v, bt, sl = make_decode_inputs([12, 0, 70], 4, 2, 64, 16, torch.float32)
+    want_o, want_lse = pb.paged_decode(q, k, v, bt, sl)
+    buf = torch.full((3 * 4 * (1 + 64),), float("nan"))
+    out, lse_out = buf[12:].view(3, 4, 64), buf[:12].view(3, 4)
+    o, lse = pb.paged_decode(q, k, v, bt, sl, out=out, lse_out=lse_out)
+    assert o is out and lse is lse_out
+    assert torch.equal(out, want_o) and torch.equal(lse_out, want_lse)
+    lse_out.fill_(0.0)
+    assert pb.paged_decode(q, k, v, bt, sl, return_lse=False, lse_out=lse_out) is not None
+    assert torch.equal(lse_out, want_lse)
+
+
 def test_plan_update_reuses_buffers():
     q, k, v, bt, sl = make_decode_inputs([100, 100], 4, 2, 64, 16, torch.float32)
     plan = pb.plan_decode([100, 100], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",

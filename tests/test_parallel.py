@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 import paged_backend as pb
 from paged_backend.context_parallel import (Placement, cp_decode, make_mesh, ring_decode, shard_paged_kv,
                                             tp_head_slices)
-from paged_backend import parallel
+from paged_backend import merge_plans
 from paged_backend.parallel import CollectiveError, TreeMerger, get_merger, make_hierarchy, tree_merge
 from paged_inputs import make_decode_inputs
 from reference import attend, assert_close_state, decode_reference, rel_err
@@ -40,13 +40,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(job: str, rank: int, world: int, port: int, results):
+def _entry(job, rank: int, world: int, port: int, results, backend: str):
     try:
         torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         timeout = COLLECTIVE_TIMEOUT_S if job in ("dead", "hang") else 60
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout))
-        out = JOBS[job](rank, world)
+        out = (JOBS[job] if isinstance(job, str) else job)(rank, world)
         results.put((rank, "ok", out))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -56,14 +58,15 @@ def _entry(job: str, rank: int, world: int, port: int, results):
         os._exit(0)  # never wait on a peer in teardown (the dead-peer job has broken groups)
 
 
-def _launch(job: str, world: int, expect=None, timeout: float = 120.0) -> dict:
-    """Runs ``JOBS[job]`` on ``world`` gloo ranks; returns {rank: result} of the ranks in ``expect``
+def _launch(job, world: int, expect=None, timeout: float = 120.0, backend: str = "gloo") -> dict:
+    """Runs ``JOBS[job]`` (or ``job`` itself, a module-level function ``(rank, world)``) on ``world``
+    ranks (gloo; with nccl rank r uses GPU r); returns {rank: result} of the ranks in ``expect``
     (default all). Bounded: leftovers are killed."""
     expect = set(range(world)) if expect is None else set(expect)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(job, r, world, port, results), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(job, r, world, port, results, backend), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     got, errors, deadline = {}, {}, time.monotonic() + timeout
@@ -276,14 +279,14 @@ class _Counting:
 
     def __enter__(self):
         self.n = {"all_gather": 0, "all_reduce": 0, "cat": 0}
-        self.saved = (parallel._all_gather_flat, dist.all_reduce, torch.cat)
+        self.saved = (merge_plans.all_gather_flat, dist.all_reduce, torch.cat)
 
         def wrap(name, fn):
             def counted(*a, **kw):
                 self.n[name] += 1
                 return fn(*a, **kw)
             return counted
-        parallel._all_gather_flat = wrap("all_gather", self.saved[0])
+        merge_plans.all_gather_flat = wrap("all_gather", self.saved[0])
         dist.all_reduce = wrap("all_reduce", self.saved[1])
         torch.cat = wrap("cat", self.saved[2])
         return self
@@ -293,7 +296,7 @@ class _Counting:
         return n
 
     def __exit__(self, *exc):
-        parallel._all_gather_flat, dist.all_reduce, torch.cat = self.saved
+        merge_plans.all_gather_flat, dist.all_reduce, torch.cat = self.saved
 
 
 def _ptrs(merger):
@@ -364,9 +367,9 @@ def _check_merger(rank, world):
         ref_o, ref_lse = decode_reference(q, k, v, bt, sl)
         k_l, v_l, bt_l, sl_l = shard_paged_kv(k, v, bt, sl, pl)
         c.take()
-        for _ in range(2):
+        for _ in range(2):  # the local decode writes into the send buffer: no pack copy
             do, dl = cp_decode(q, k_l, v_l, bt_l, sl_l)
-            assert c.take()["all_gather"] == 1
+            assert c.take() == dict(all_gather=1, all_reduce=0, cat=0)
             assert_close_state(do, dl, ref_o, ref_lse, torch.float32)
 
 
