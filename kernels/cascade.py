@@ -10,19 +10,24 @@ Three launches, all with grids fixed by the plan:
    stream-K over persistent programs; every piece writes one fp32 partial state per request.
 2. ``_decode_kernel`` (kernels/decode.py) runs the private tails as decode pieces, stream-K, each
    writing a partial slot.
-3. ``_cascade_merge_kernel``: per (request, kv_head), folds its partial slots in the plan's fixed
-   order (parents first, tail last) into ``out``/``lse``. Deterministic; an empty list gives o = 0,
-   lse = -inf.
+3. ``_fold_states_kernel`` (kernels/decode.py): per (request, query head), folds its partial
+   slots in the plan's fixed order (parents first, tail last) into ``out``/``lse``. Deterministic;
+   an empty list gives o = 0, lse = -inf.
+
+On Hopper and later the three run on one stream chained by programmatic dependent launch: the
+tails start while the node kernel runs (they write other slots) and finish after it; the merge
+starts during the tails and waits for their writes. Elsewhere nodes and tails run on two streams.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels.attend import attend_paged_tile, finish_state
-from kernels.decode import run_pieces
-from kernels.merge import merge_finish, merge_step
+from kernels.decode import fold_states, run_pieces
+from kernels.dispatch import use_pdl
 
 
 @triton.jit
@@ -37,7 +42,10 @@ def _cascade_node_kernel(
     stride_plp, stride_plh,
     GROUP: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the tails (and the merge) may launch now: they wait for this grid where they must
+        gdc_launch_dependents()
     g = tl.program_id(0)
     p_lo = tl.load(prog_ptr + g)
     p_hi = tl.load(prog_ptr + g + 1)
@@ -66,52 +74,23 @@ def _cascade_node_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        bt_row = bt_ptr + rep * stride_btb
+        tok = start + offs_n
+        page = tl.load(bt_row + (tok // BS) * stride_btn, mask=tok < end, other=0)
         for n0 in range(start, end, BLOCK_N):
             tok = n0 + offs_n
-            page = tl.load(bt_ptr + rep * stride_btb + (tok // BS) * stride_btn, mask=tok < end, other=0)
+            # Next tile's page ids now, so its K/V loads do not wait on a dependent table load.
+            nxt = tok + BLOCK_N
+            page_next = tl.load(bt_row + (nxt // BS) * stride_btn, mask=nxt < end, other=0)
             m_i, l_i, acc = attend_paged_tile(q, m_i, l_i, acc, k_ptr, v_ptr, page, tok, end, kvh, offs_d, d_ok,
                                               qk_scale, stride_kb, stride_ks, stride_kh, stride_kd,
                                               stride_vb, stride_vs, stride_vh, stride_vd, BS, IEEE)
+            page = page_next
         o, lse = finish_state(m_i, l_i, acc)
         slot = (slot_base + mem).to(tl.int64)
         tl.store(po_ptr + slot[:, None] * stride_pop + hh[:, None] * stride_poh + offs_d[None, :] * stride_pod,
                  o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(plse_ptr + slot * stride_plp + hh * stride_plh, lse, mask=row_ok)
-
-
-@triton.jit
-def _cascade_merge_kernel(
-    req_ptr, slots_ptr, po_ptr, plse_ptr, out_ptr, lse_ptr,
-    HKV,
-    stride_pop, stride_poh, stride_pod,
-    stride_plp, stride_plh,
-    stride_ob, stride_oh, stride_od,
-    stride_lb, stride_lh,
-    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    # One program per (request, kv_head): folds its partial slots in list order.
-    s = tl.program_id(0)
-    lo = tl.load(req_ptr + s)
-    hi = tl.load(req_ptr + s + 1)
-    b = (s // HKV).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    qh = (s % HKV).to(tl.int64) * GROUP + offs_h
-    h_ok = offs_h < GROUP
-    mask = h_ok[:, None] & (offs_d[None, :] < D)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    w_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for i in range(lo, hi):
-        slot = tl.load(slots_ptr + i).to(tl.int64)
-        lse = tl.load(plse_ptr + slot * stride_plp + offs_h * stride_plh, mask=h_ok, other=float("-inf"))
-        o = tl.load(po_ptr + slot * stride_pop + offs_h[:, None] * stride_poh + offs_d[None, :] * stride_pod,
-                    mask=mask, other=0.0)
-        m, w_sum, acc = merge_step(m, w_sum, acc, lse, o)
-    o, lse = merge_finish(m, w_sum, acc)
-    tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :] * stride_od,
-             o.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(lse_ptr + b * stride_lb + qh * stride_lh, lse, mask=h_ok)
 
 
 def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
@@ -127,6 +106,8 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
     v = plan.views
     bt = v["block_table"]
     po, plse = plan.partial_o, plan.partial_lse
+    pdl = use_pdl(q.device)
+
     def nodes():
         bm = plan.block_m
         _cascade_node_kernel[(plan.node_programs,)](
@@ -134,14 +115,22 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
             scale, *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(),
             *po.stride(), *plse.stride(),
             GROUP=group, GP=gp, BS=bs, D=d, BLOCK_M=bm, BLOCK_N=plan.node_block_n, BLOCK_D=block_d, IEEE=ieee,
-            num_warps=8 if bm >= 128 else 4, num_stages=2,
+            PDL=pdl, num_warps=8 if bm >= 128 else 4, num_stages=3,  # swept on an H100
         )
 
-    def tails():  # private tails: decode pieces that only write partial states
+    def tails(beside_prior=False):  # private tails: decode pieces that only write partial states
         run_pieces(q, k_cache, v_cache, bt, v["seq_lens"], out, lse, po, plse, v["leaf_work"],
-                   v["leaf_prog_ptr"], plan.leaf_programs, plan.block_n, scale)
+                   v["leaf_prog_ptr"], plan.leaf_programs, plan.block_n, scale, beside_prior=beside_prior)
 
-    if q.is_cuda and plan.num_node_pieces and plan.num_leaf_pieces:
+    both = plan.num_node_pieces and plan.num_leaf_pieces
+    if pdl or not (q.is_cuda and both):
+        # With PDL the tails start during the node kernel (they write other slots) and end after
+        # it, and the merge starts during the tails: one stream, no launch gaps.
+        if plan.num_node_pieces:
+            nodes()
+        if plan.num_leaf_pieces:
+            tails(beside_prior=bool(both))
+    else:
         # Node GEMMs and tail decode write disjoint slots and neither fills the memory system
         # alone: run them side by side, forked and joined on the stream (CUDA-graph capturable).
         main = torch.cuda.current_stream(q.device)
@@ -152,16 +141,8 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
             nodes()
         tails()
         main.wait_stream(plan.side_stream)
-    else:
-        if plan.num_node_pieces:
-            nodes()
-        if plan.num_leaf_pieces:
-            tails()
-    _cascade_merge_kernel[(b * hkv,)](
-        v["req_ptr"], v["slots"], po, plse, out, lse, hkv,
-        *po.stride(), *plse.stride(), *out.stride(), *lse.stride(),
-        GROUP=group, D=d, BLOCK_H=gp, BLOCK_D=block_d,
-    )
+    # Per (request, kv_head): its slots, parents first and the tail last (fixed order).
+    fold_states(v["req_ptr"], po, plse, out, lse, hkv, slots=v["slots"], max_len=plan.max_merge_len)
 
 
 def _merge_into(run_lse, run_o, idx, lse, o):

@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.attend import attend_paged_tile, finish_state
-from kernels.merge import merge_finish, merge_step
+from kernels.dispatch import use_pdl
 
 
 @triton.jit
@@ -32,8 +33,10 @@ def _decode_kernel(
     stride_plp, stride_plh,
     GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr, WAIT_AT_END: tl.constexpr,
 ):
+    if PDL:  # let the fold kernel launch now; it waits for this grid's writes (gdc_wait)
+        gdc_launch_dependents()
     g = tl.program_id(0)
     p_lo = tl.load(prog_ptr + g)
     p_hi = tl.load(prog_ptr + g + 1)
@@ -82,50 +85,75 @@ def _decode_kernel(
             tl.store(po_ptr + slot64 * stride_pop + offs_h[:, None] * stride_poh + offs_d[None, :] * stride_pod,
                      o, mask=o_mask)
             tl.store(plse_ptr + slot64 * stride_plp + offs_h * stride_plh, lse, mask=h_ok)
+    if WAIT_AT_END:  # launched alongside a kernel it does not read: finish only after it, so the
+        gdc_wait()   # next kernel's gdc_wait covers both
 
 
 @triton.jit
-def _reduce_pieces_kernel(
-    seg_ptr, po_ptr, plse_ptr, out_ptr, lse_ptr, HKV,
+def _fold_states_kernel(
+    list_ptr, slots_ptr, po_ptr, plse_ptr, out_ptr, lse_ptr, HKV,
     stride_pop, stride_poh, stride_pod, stride_plp, stride_plh,
     stride_ob, stride_oh, stride_od, stride_lb, stride_lh,
-    GROUP: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    INDIRECT: tl.constexpr, SKIP_SINGLE: tl.constexpr, PDL: tl.constexpr,
 ):
-    # Program (segment, block of HB heads): folds the segment's partial states in piece order
-    # (deterministic). A top-level loop of independent loads, so the compiler keeps several
-    # pieces in flight; head blocks spread a heavily split segment over several SMs.
+    # Program (s = request * HKV + kv_head, query head h of the group): folds the partial states of
+    # entries list[s]..list[s+1] in list order (deterministic) into out/lse. An entry is a partial
+    # slot itself, or with INDIRECT an index into slots. BLOCK_P states are loaded at once, so a
+    # list of ~G/S pieces costs one or two dependent loads, not one per piece (a serial fold cost
+    # ~10 us for B=1 on an H100). SKIP_SINGLE: a list of one entry was written out by its producer.
     s = tl.program_id(0)
-    lo = tl.load(seg_ptr + s)
-    hi = tl.load(seg_ptr + s + 1)
-    if hi - lo > 1:  # a segment of one piece was written by the decode kernel itself
-        offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
+    h = tl.program_id(1)
+    lo = tl.load(list_ptr + s)  # plan data, written before the previous kernel started
+    hi = tl.load(list_ptr + s + 1)
+    if not SKIP_SINGLE or hi - lo > 1:
+        if PDL:  # launched early (programmatic dependent launch): wait until the states are written
+            gdc_wait()
+        offs_p = tl.arange(0, BLOCK_P)
         offs_d = tl.arange(0, BLOCK_D)
-        h_ok = offs_h < GROUP
-        mask = h_ok[:, None] & (offs_d[None, :] < D)
-        m = tl.full([HB], float("-inf"), tl.float32)
-        w_sum = tl.zeros([HB], tl.float32)
-        acc = tl.zeros([HB, BLOCK_D], tl.float32)
-        for p in range(lo, hi):
-            lse = tl.load(plse_ptr + p * stride_plp + offs_h * stride_plh, mask=h_ok, other=float("-inf"))
-            o = tl.load(po_ptr + p * stride_pop + offs_h[:, None] * stride_poh + offs_d[None, :] * stride_pod,
-                        mask=mask, other=0.0)
-            m, w_sum, acc = merge_step(m, w_sum, acc, lse, o)
-        o, lse = merge_finish(m, w_sum, acc)
+        d_ok = offs_d < D
+        m = tl.full([1], float("-inf"), tl.float32)
+        w_sum = tl.zeros([1], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for p0 in range(lo, hi, BLOCK_P):
+            p = p0 + offs_p
+            p_ok = p < hi
+            if INDIRECT:
+                p = tl.load(slots_ptr + p, mask=p_ok, other=0)
+            p = p.to(tl.int64)
+            lse = tl.load(plse_ptr + p * stride_plp + h * stride_plh, mask=p_ok, other=float("-inf"))  # [P]
+            o = tl.load(po_ptr + p[:, None] * stride_pop + h * stride_poh + offs_d[None, :] * stride_pod,
+                        mask=p_ok[:, None] & d_ok[None, :], other=0.0)  # [P, BLOCK_D]
+            m_new = tl.maximum(m, tl.max(lse, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: no NaN
+            alpha = tl.exp(m - m_safe)
+            w = tl.exp(lse - m_safe)  # [P]
+            w_sum = w_sum * alpha + tl.sum(w, 0)
+            acc = acc * alpha + tl.sum(o * w[:, None], 0)
+            m = m_new
+        empty = w_sum == 0.0  # an empty list or all states empty: o = 0, lse = -inf
+        o = acc / tl.where(empty, 1.0, w_sum)
+        lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, w_sum)))
         b = (s // HKV).to(tl.int64)
-        qh = (s % HKV).to(tl.int64) * GROUP + offs_h
-        tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                 o.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(lse_ptr + b * stride_lb + qh * stride_lh, lse, mask=h_ok)
+        qh = (s % HKV).to(tl.int64) * GROUP + h
+        tl.store(out_ptr + b * stride_ob + qh * stride_oh + offs_d * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(lse_ptr + b * stride_lb + qh * stride_lh + tl.arange(0, 1), lse)
 
 
 def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, partial_lse, work, prog_ptr,
-               num_programs: int, block_n: int, scale: float, num_warps: int = 4, num_stages: int = 3):
+               num_programs: int, block_n: int, scale: float, num_warps: int = 4, num_stages: int = 3,
+               beside_prior: bool = False):
     """Launches ``num_programs`` programs over decode pieces ``work [P, 5] int32`` (request, kv_head,
     token_start, token_end, slot). A piece with slot < 0 writes ``out``/``lse`` rows; one with a
-    slot writes ``partial_o [P, group, D]``/``partial_lse [P, group]`` fp32. Tuned on an H200."""
+    slot writes ``partial_o [P, group, D]``/``partial_lse [P, group]`` fp32. Tuned on an H200.
+    ``beside_prior`` (Hopper+, PDL): the previous kernel on the stream neither feeds nor reads these
+    pieces, so they start while it runs and the grid ends only after it."""
     hq, d = q.shape[1], q.shape[2]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
+    pdl = use_pdl(q.device)
+    beside_prior = beside_prior and pdl
     _decode_kernel[(num_programs,)](
         q, k_cache, v_cache, block_table, seq_lens, work, prog_ptr,
         out, lse, partial_o, partial_lse,
@@ -134,20 +162,28 @@ def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, 
         *partial_o.stride(), *partial_lse.stride(),
         GROUP=group, BS=bs, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        IEEE=q.dtype == torch.float32, PDL=pdl, WAIT_AT_END=beside_prior, num_warps=num_warps,
+        num_stages=num_stages, **({"launch_pdl": True} if beside_prior else {}),
     )
 
 
-def reduce_pieces(seg_ptr, partial_o, partial_lse, out, lse, num_kv_heads: int):
-    """Merges the partial states of each split segment (``seg_ptr [B * Hkv + 1]`` into the piece
-    list) into ``out [B, Hq, D]`` and ``lse [B, Hq]``."""
+def fold_states(lists, partial_o, partial_lse, out, lse, num_kv_heads: int, slots=None, skip_single: bool = False,
+                max_len: int = 64):
+    """Merges, per (request, kv_head) ``s``, the partial states ``lists[s]..lists[s+1]``
+    (``lists [B * Hkv + 1]`` int32; entries are slots of ``partial_o [P, group, D]`` /
+    ``partial_lse [P, group]``, or indices into ``slots`` when given) in order into
+    ``out [B, Hq, D]`` and ``lse [B, Hq]``. ``max_len``: the usual longest list, loaded in one go
+    (longer lists take more rounds). On Hopper and later it is launched with programmatic
+    dependent launch: it starts during the previous kernel and waits for its writes."""
     b, hq, d = out.shape
-    group = hq // num_kv_heads
-    hb = min(triton.next_power_of_2(group), 4)
-    _reduce_pieces_kernel[(b * num_kv_heads, triton.cdiv(group, hb))](
-        seg_ptr, partial_o, partial_lse, out, lse, num_kv_heads,
+    pdl = use_pdl(out.device)
+    block_p = min(64, triton.next_power_of_2(max(2, max_len)))
+    _fold_states_kernel[(b * num_kv_heads, hq // num_kv_heads)](
+        lists, lists if slots is None else slots, partial_o, partial_lse, out, lse, num_kv_heads,
         *partial_o.stride(), *partial_lse.stride(), *out.stride(), *lse.stride(),
-        GROUP=group, D=d, HB=hb, BLOCK_D=triton.next_power_of_2(d), num_warps=4, num_stages=3,
+        GROUP=hq // num_kv_heads, D=d, BLOCK_P=block_p, BLOCK_D=triton.next_power_of_2(d),
+        INDIRECT=slots is not None, SKIP_SINGLE=skip_single, PDL=pdl,
+        num_warps=4 if block_p >= 32 else 2, num_stages=1, **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -157,7 +193,11 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
         return
     run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan.partial_o, plan.partial_lse,
                plan.work, plan.prog_ptr, plan.num_programs, plan.block_n, scale)
-    reduce_pieces(plan.seg_ptr, plan.partial_o, plan.partial_lse, out, lse, k_cache.shape[2])
+    # A segment of one piece wrote out/lse itself; split segments are folded in piece order. A
+    # stream-K run of G programs over S segments gives each at most ~G/S + 2 pieces.
+    segments = q.shape[0] * k_cache.shape[2]
+    fold_states(plan.seg_ptr, plan.partial_o, plan.partial_lse, out, lse, k_cache.shape[2], skip_single=True,
+                max_len=-(-plan.num_programs // segments) + 2)
 
 
 def decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float, out, lse):

@@ -6,6 +6,7 @@ always take the torch version rather than give wrong results."""
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 import torch
 
@@ -21,3 +22,15 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+@lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (a kernel's successor starts before it ends): Hopper (sm_90)
+    and later, never in the interpreter; ``PAGED_BACKEND_PDL=0`` turns it off."""
+    return (device.type == "cuda" and not INTERPRET and os.environ.get("PAGED_BACKEND_PDL", "1") != "0"
+            and _capability(device)[0] >= 9)
