@@ -109,6 +109,7 @@ class CascadePlan:
     num_node_pieces: int = 0
     num_leaf_pieces: int = 0
     num_slots: int = 0
+    max_merge_len: int = 1   # longest list of partial slots merged into one (request, kv_head)
     flat_plan: object = field(default=None, repr=False)  # a DecodePlan when no node pays off
     buffers: torch.Tensor = field(default=None, repr=False)
     views: dict = field(default_factory=dict, repr=False)
@@ -307,6 +308,7 @@ def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, bloc
                                   lseg, lseg_req[lseg] * hkv + lseg_kvh[lseg], lslot)
     plan.num_node_pieces, plan.num_leaf_pieces = int(seg.size), int(lseg.size)
     plan.num_slots = n_node_slots + int(lseg.size)
+    plan.max_merge_len = int(np.diff(req_ptr).max()) if req_ptr.size > 1 else 1
     parts = [("node_work", node_work), ("node_prog_ptr", nprog), ("leaf_work", leaf_work),
              ("leaf_prog_ptr", lprog), ("req_ptr", req_ptr), ("slots", slots),
              ("members", plan.node_members), ("seq_lens", plan.seq_lens_host)]
