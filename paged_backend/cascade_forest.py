@@ -7,11 +7,12 @@ down, one vectorised pass per tree level (a loop over levels only: none over blo
 1. rows whose first full block is held by another row are grouped by that block (one argsort of
    one column); a group of >= 2 rows is a node candidate starting at column ``c = 0``;
 2. each row of a group is compared against the group's *leader* (its smallest batch index),
-   from ``c + 1`` on, in column chunks of 64, 128, ... 512 so that only the shared columns (plus at
-   most one chunk) are read; the exact first mismatch (capped at both rows' full blocks) is the
-   row's LCP with its leader, and the group's depth ``d`` is the smallest of them: every member
-   holds the leader's ids on ``[c, d)``, compared id by id (no hashing, so nothing is shared on a
-   collision);
+   from ``c + 1`` on (:func:`lcp_with_leaders`): a probe row per group first, then the others
+   one contiguous span each, up to where their probe differs (row spans read several times
+   faster than narrow column chunks across rows; the rows that match all of it go on). The exact
+   first mismatch (capped at both rows' full blocks) is the row's LCP with its leader, and the
+   group's depth ``d`` is the smallest of them: every member holds the leader's ids on
+   ``[c, d)``, compared id by id (no hashing, so nothing is shared on a collision);
 3. members with a block at column ``d`` are sub-grouped by it (a stable sort of (group, id)); a
    sub-group of >= 2 rows is a child candidate starting at ``d``. The leader's own sub-group keeps
    its leader and the LCPs already measured (no column is read twice); the others take a new leader.
@@ -25,7 +26,9 @@ from __future__ import annotations
 
 import numpy as np
 
-_CHUNK0, _CHUNK_MAX = 64, 1024  # column chunk of the leader comparison: first, largest
+_CHUNK0 = 64          # columns a row reads at least, and the first chunk of a chunked scan
+_BLOCK = 1 << 16      # ids compared per row block: the block's rows, its leaders and the mask stay in L2
+_SPAN_MAX = 1 << 17   # ids below which rows read their whole range in one pass (chunks would not pay)
 
 
 def _empty(bsz: int):
@@ -33,40 +36,81 @@ def _empty(bsz: int):
     return np.zeros(1, np.int64), z, z, z.copy(), np.zeros(bsz, np.int64)
 
 
+def _first_mismatch(table: np.ndarray, rows: np.ndarray, leads: np.ndarray, a: np.ndarray,
+                    b: np.ndarray) -> np.ndarray:
+    """Per row: the first column in ``[a[i], b[i])`` where ``table[rows[i]]`` and
+    ``table[leads[i]]`` differ, else ``b[i]``. Row blocks of ~_BLOCK ids, each row read as one
+    contiguous span of its block's columns; rows whose ranges differ much go in order of ``b``, so
+    that a block's columns stay close to each of its rows' own."""
+    n, lo, hi = rows.size, int(a.min()), int(b.max())
+    order = None
+    if (hi - lo) * n <= 1.25 * float((b - a).sum()):  # about one range: compare all rows over it
+        step = max(1, _BLOCK // (hi - lo))
+        edges = list(range(0, n, step)) + [n]
+        x0, x1 = [lo] * len(edges), [hi] * len(edges)
+    else:
+        order = np.argsort(b, kind="stable")
+        rows, leads, a, b = rows[order], leads[order], a[order], b[order]
+        cum = np.cumsum(b - a)
+        edges = np.unique(np.searchsorted(cum, np.arange(0, int(cum[-1]), _BLOCK), side="right").tolist() + [0, n])
+        x0, x1 = np.minimum.reduceat(a, edges[:-1]), b[edges[1:] - 1]  # each block's columns
+        edges, x0, x1 = edges.tolist(), x0.tolist(), x1.tolist()
+    first = np.empty(n, dtype=np.intp)
+    for i0, i1, c0, c1 in zip(edges[:-1], edges[1:], x0, x1):
+        neq = table[rows[i0:i1], c0:c1] != table[leads[i0:i1], c0:c1]
+        neq.argmax(axis=1, out=first[i0:i1])  # stops at a row's first mismatch
+    first += lo if order is None else np.repeat(x0, np.diff(edges))
+    out = np.where((first < b) & (table[rows, first] != table[leads, first]), first, b)
+    if order is not None:
+        out[order] = out.copy()
+    return out
+
+
 def lcp_with_leaders(table: np.ndarray, rows: np.ndarray, leads: np.ndarray, start: np.ndarray,
                      cap: np.ndarray) -> np.ndarray:
     """First column ``j`` in ``[start[i], cap[i])`` where ``table[rows[i], j] != table[leads[i], j]``,
-    else ``cap[i]``; columns before ``start[i]`` must already be known equal. Compares column chunks
-    (64, 128, 256, 512, 512, ...) of the rows still matching; when they are most of the table the
-    chunk is compared in place (no copy of the member rows)."""
-    e = np.array(cap, dtype=np.int64)
+    else ``cap[i]``; columns before ``start[i]`` must already be known equal. Exact: id by id.
+
+    Reading whole row spans in one pass is several times faster than narrow column chunks across
+    the rows, so: few ids -> one pass over each row's range. Else each run of rows with the same
+    leader (callers pass rows grouped by leader) sends its middle row ahead as a probe; the others
+    read one span up to and including the column where their probe differs (where the run most
+    likely ends, at least _CHUNK0 columns), and the rows that match all of it go on the same way.
+    Rows that each have their own leader scan in chunks of 64, 256, 1024, ... columns. A run whose
+    probe shares far more than its other rows reads past their LCPs (at worst up to the probe's)."""
+    cap = np.asarray(cap, dtype=np.int64)
+    e = cap.copy()
     todo = np.flatnonzero(cap > start)
     if not todo.size:
         return e
-    bsz = table.shape[0]
-    ul, linv = np.unique(leads[todo], return_inverse=True)
-    at = np.zeros(bsz, dtype=np.intp)  # leader slot per table row (rows not compared: any)
-    a, w = int(start[todo].min()), _CHUNK0
-    while todo.size:
-        r, c = rows[todo], cap[todo]
-        b = min(a + w, int(c.max()))
-        lrows = table[ul, a:b]
-        if 2 * r.size >= bsz:  # most rows: compare the table's own chunk in place (no member copy)
-            if ul.size == 1:
-                neq = table[:, a:b] != lrows
-            else:
-                at[r] = linv
-                neq = table[:, a:b] != lrows[at]
-            pos = r
-        else:
-            neq = table[r, a:b] != lrows[linv]
-            pos = np.arange(r.size)
-        first = neq.argmax(axis=1)[pos]  # one pass: stops at a row's first mismatch
-        hit = neq[pos, first]
-        e[todo[hit]] = np.minimum(first[hit] + a, c[hit])
-        go = ~hit & (c > b)
-        todo, linv = todo[go], linv[go]
-        a, w = b, min(2 * w, _CHUNK_MAX)
+    r0, c = start[todo], cap[todo]
+    if int((c - r0).sum()) <= _SPAN_MAX:
+        e[todo] = _first_mismatch(table, rows[todo], leads[todo], r0, c)
+        return e
+    lt = leads[todo]
+    new = np.ones(todo.size, dtype=bool)
+    np.not_equal(lt[1:], lt[:-1], out=new[1:])
+    rs = np.flatnonzero(new)
+    if rs.size == todo.size:  # every row has its own leader: chunks
+        w = _CHUNK0
+        while todo.size:
+            end = np.minimum(r0 + w, c)
+            f = _first_mismatch(table, rows[todo], leads[todo], r0, end)
+            go = (f == end) & (end < c)
+            e[todo] = f
+            todo, r0, c, w = todo[go], end[go], c[go], 4 * w
+        return e
+    mid = (rs + np.append(rs[1:], todo.size)) // 2
+    probe = todo[mid]
+    e[probe] = lcp_with_leaders(table, rows[probe], leads[probe], start[probe], cap[probe])
+    others = np.ones(todo.size, dtype=bool)
+    others[mid] = False
+    rest, r0 = todo[others], r0[others]
+    bound = np.minimum(np.maximum(e[probe][(np.cumsum(new) - 1)[others]] + 1, r0 + _CHUNK0), cap[rest])
+    e[rest] = f = _first_mismatch(table, rows[rest], leads[rest], r0, bound)
+    more = (f == bound) & (bound < cap[rest])  # matched all of their span: go on from its end
+    m = rest[more]
+    e[m] = lcp_with_leaders(table, rows[m], leads[m], bound[more], cap[m])
     return e
 
 

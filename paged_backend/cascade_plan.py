@@ -74,12 +74,12 @@ def choose_block_m(rows: np.ndarray, tokens: np.ndarray, gp: int, head_dim: int)
         return max(16, gp)
     if rows.size == 0:
         return cands[0]
-    best, best_cost = cands[0], None
-    for bm in cands:
-        blocks = -(-rows // bm)
-        cost = float((blocks * tokens * (4 * head_dim * 133 + bm * 4 * head_dim)).sum())
-        if best_cost is None or cost < best_cost * 0.999:
-            best, best_cost = bm, cost
+    bms = np.array(cands)[:, None]
+    costs = ((-(-rows // bms)) * tokens * (4 * head_dim * 133 + bms * 4 * head_dim)).sum(axis=1)  # [C]
+    best, best_cost = cands[0], float(costs[0])
+    for bm, cost in zip(cands[1:], costs[1:].tolist()):
+        if cost < best_cost * 0.999:
+            best, best_cost = bm, float(cost)
     return best
 
 
@@ -177,94 +177,95 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
     if plan.is_flat:
         plan.flat_plan = plan_decode(lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                      device=device, num_programs=leaf_programs)
-        _upload(plan, [("seq_lens", lens)], block_table_device)
+        src, h = _staging(plan, [("seq_lens", lens.size)], block_table_device)
+        h["seq_lens"][:] = lens
+        _upload(plan, src, h, block_table_device)
         return plan
     _partition(plan, group, node_programs, leaf_programs, block_table_device)
     return plan
 
 
-def _upload(plan: CascadePlan, parts, block_table_device) -> None:
-    """Packs the int32 arrays into one (pinned) host array and copies it to the device once."""
+def _staging(plan: CascadePlan, parts, block_table_device):
+    """One int32 host array (pinned for a CUDA device) cut into the named parts ``[(name, size)]``,
+    the block table last unless it is already on the device. -> (tensor, {name: host view})."""
     if block_table_device is None:
-        parts = parts + [("block_table", plan.block_table_host)]
-    total = sum(int(np.asarray(p).size) for _, p in parts)
-    src = torch.empty(total, dtype=torch.int32, pin_memory=plan.device.type == "cuda")
-    host = src.numpy()
-    at, spans = 0, {}
-    for name, p in parts:
-        p = np.asarray(p)
-        n = int(p.size)
-        host[at: at + n].reshape(p.shape)[...] = p
-        spans[name] = (at, n)
+        parts = parts + [("block_table", plan.block_table_host.size)]
+    src = torch.empty(sum(n for _, n in parts), dtype=torch.int32, pin_memory=plan.device.type == "cuda")
+    host, at, views = src.numpy(), 0, {}
+    for name, n in parts:
+        views[name] = host[at: at + n]
         at += n
+    if block_table_device is None:
+        views["block_table"].reshape(plan.block_table_host.shape)[...] = plan.block_table_host
+    return src, views
+
+
+def _upload(plan: CascadePlan, src: torch.Tensor, host_views: dict, block_table_device) -> None:
+    """Copies the filled staging array to the device at once and makes device views of its parts."""
     if plan.device.type == "cpu":
         plan.buffers = src  # already where the kernels read it
     else:
-        plan.buffers = torch.empty(total, dtype=torch.int32, device=plan.device)
+        plan.buffers = torch.empty(src.numel(), dtype=torch.int32, device=plan.device)
         plan.buffers.copy_(src, non_blocking=True)
-    for name, (at, n) in spans.items():
-        plan.views[name] = plan.buffers[at: at + n]
+    parts = plan.buffers.split([h.size for h in host_views.values()])
+    plan.views.update(zip(host_views, parts))
     if block_table_device is not None:
         plan.views["block_table"] = block_table_device
     else:
         plan.views["block_table"] = plan.views["block_table"].view(plan.batch_size, plan.block_table_host.shape[1])
 
 
-def _rank_in_runs(ids: np.ndarray) -> np.ndarray:
-    """Position of each element within its run of equal consecutive ``ids``."""
-    idx = np.arange(ids.size)
-    first = np.ones(ids.size, dtype=bool)
-    first[1:] = ids[1:] != ids[:-1]
-    return idx - np.maximum.accumulate(np.where(first, idx, 0))
+def _divmod(x: np.ndarray, n: int):
+    if n & (n - 1) == 0:  # a power of two (the usual head count): shifts, not divisions
+        return x >> (n.bit_length() - 1), x & (n - 1)
+    return np.divmod(x, n)
 
 
-def _merge_lists(plan: CascadePlan, mpb, nrb, per_node, seg, n_in, slot_base, mbase, piece_kvh, lseg, lkey, lslot):
-    """CSR over (request, kv_head) of the partial-state slots to merge: for each, the slots of its
-    node pieces (nodes in order, then pieces in token order), then its leaf pieces'. Built by
-    counting: a node slot's place = the list's start + the pieces of its earlier nodes (an exclusive
-    cumsum over the request's memberships) + its piece's rank within the segment."""
-    hkv, bsz = plan.num_kv_heads, plan.batch_size
-    ptr, members = plan.node_ptr, plan.node_members
-    n_seg = int(per_node.sum())
-    seg_pieces = np.bincount(seg, minlength=n_seg)
-    # memberships (node-major): node, row block; pieces per (membership, kv_head)
-    m_node = np.repeat(np.arange(nrb.size), np.diff(ptr))
-    m_rb = (np.arange(members.size) - ptr[m_node]) // mpb
-    m_seg0 = (np.cumsum(per_node) - per_node)[m_node] + m_rb
-    cnt = seg_pieces[m_seg0[:, None] + np.arange(hkv)[None, :] * nrb[m_node][:, None]]  # [M, Hkv]
-    om = np.argsort(members, kind="stable")  # by request, nodes in order
-    cs = np.cumsum(cnt[om], axis=0)
-    excl = cs - cnt[om]
-    req_sorted = members[om]
-    first = np.ones(om.size, dtype=bool)
-    first[1:] = req_sorted[1:] != req_sorted[:-1]
-    last = np.append(np.flatnonzero(first)[1:], om.size) - 1
-    base = np.maximum.accumulate(np.where(first, np.arange(om.size), 0))
-    off = np.empty_like(excl)
-    off[om] = excl - excl[base]
-    count = np.zeros((bsz, hkv), dtype=np.int64)
-    count[req_sorted[last]] = cs[last] - excl[base[last]]  # node slots per (request, kv_head)
-    node_count = count.ravel().copy()
-    count = count.ravel()
-    count += np.bincount(lkey, minlength=bsz * hkv)
-    req_ptr = np.zeros(bsz * hkv + 1, dtype=np.int64)
-    np.cumsum(count, out=req_ptr[1:])
-    # node slots: (piece, member of its row block)
-    e_piece = np.repeat(np.arange(seg.size), n_in)
-    e_m = mbase[e_piece] + np.arange(e_piece.size) - np.repeat(slot_base, n_in)
-    e_kvh = piece_kvh[e_piece]
-    e_key = members[e_m] * hkv + e_kvh
-    slots = np.empty(int(req_ptr[-1]), dtype=np.int64)
-    slots[req_ptr[e_key] + off[e_m, e_kvh] + _rank_in_runs(seg)[e_piece]] = np.arange(e_piece.size)
-    slots[req_ptr[lkey] + node_count[lkey] + _rank_in_runs(lseg)] = lslot
-    return req_ptr, slots
+def _chain_place(members: np.ndarray, bsz: int) -> np.ndarray:
+    """Per membership: how many earlier nodes (parents first) hold the same request."""
+    om = np.argsort(members.astype(np.uint16) if bsz <= 1 << 16 else members, kind="stable")  # radix
+    rs = members[om]
+    idx = np.arange(rs.size)
+    new = np.ones(rs.size, dtype=bool)
+    np.not_equal(rs[1:], rs[:-1], out=new[1:])
+    place = np.empty(rs.size, dtype=np.int64)
+    place[om] = idx - np.maximum.accumulate(np.where(new, idx, 0))
+    return place
+
+
+def _node_pieces_before(plan: CascadePlan, seg_pieces, seg0, nrb, mpb: int):
+    """Node pieces of each request's merge list: -> (per (membership, kv_head) those of the
+    request's earlier nodes [M * Hkv], per (request, kv_head) all of them [B * Hkv]). A node's
+    segment usually is one piece, so each earlier node counts one; the few segments cut into
+    several pieces then add their extra pieces to their members' totals and later nodes."""
+    hkv, bsz, ptr, members = plan.num_kv_heads, plan.batch_size, plan.node_ptr, plan.node_members
+    place = _chain_place(members, bsz)
+    before = np.repeat(place, hkv)
+    count = np.repeat(np.bincount(members, minlength=bsz), hkv)
+    cut = np.flatnonzero(seg_pieces > 1)  # (node, kv_head, row block) segments of several pieces
+    if cut.size:
+        k = np.searchsorted(seg0, cut, side="right") - 1
+        h, rb = np.divmod(cut - seg0[k], nrb[k])
+        lo = ptr[k] + rb * mpb
+        n = np.minimum(ptr[k + 1], lo + mpb) - lo  # members of the row block
+        em = np.repeat(lo - np.cumsum(n) + n, n) + np.arange(int(n.sum()))  # their memberships
+        eh, x = np.repeat(h, n), np.repeat(seg_pieces[cut] - 1, n)
+        count += np.bincount(members[em] * hkv + eh, weights=x, minlength=count.size).astype(np.int64)
+        later = np.full((bsz, int(place.max()) + 1), -1, dtype=np.int64)  # [B, depth] membership per place
+        later[members, place] = np.arange(members.size)
+        tgt = later[members[em]]
+        ok = (tgt >= 0) & (np.arange(later.shape[1]) > place[em][:, None])
+        before += np.bincount((tgt * hkv + eh[:, None])[ok], weights=np.broadcast_to(x[:, None], tgt.shape)[ok],
+                              minlength=before.size).astype(np.int64)
+    return before, count
 
 
 def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, block_table_device) -> None:
-    hkv, d, bn, nbn = plan.num_kv_heads, plan.head_dim, plan.block_n, plan.node_block_n
+    hkv, d, bn, nbn, bsz = plan.num_kv_heads, plan.head_dim, plan.block_n, plan.node_block_n, plan.batch_size
+    ptr, members, lens, shared = plan.node_ptr, plan.node_members, plan.seq_lens_host, plan.shared_len_host
     sms = num_sms(plan.device)
     gp = 1 << max(0, (group - 1).bit_length())
-    sizes = np.diff(plan.node_ptr)
+    sizes = np.diff(ptr)
     ntok = plan.node_end - plan.node_start
     bm = choose_block_m(sizes * gp, ntok, gp, d)
     mpb = bm // gp
@@ -272,47 +273,80 @@ def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, bloc
     gn = node_programs or sms * (1 if bm >= 128 else 2)
     gl = leaf_programs or sms * 2
     plan.node_programs, plan.leaf_programs = int(gn), int(gl)
-    # --- node segments: (node, kv_head, row block), laid end to end
+    # --- node segments: (node, kv_head, row block), laid end to end; pieces cut stream-K
     nrb = -(-sizes // mpb)
     per_node = hkv * nrb
+    seg0 = np.cumsum(per_node) - per_node  # [K] each node's first segment
     seg_node = np.repeat(np.arange(sizes.size), per_node)
-    within = np.arange(int(per_node.sum())) - np.repeat(np.cumsum(per_node) - per_node, per_node)
-    seg_kvh = within // nrb[seg_node]
-    seg_rb = within % nrb[seg_node]
-    seg_units = -(-ntok[seg_node] // nbn)
-    seg, u0, u1, _, nprog = cut_pieces(seg_units, gn)
-    k = seg_node[seg]
-    n_in = np.minimum(mpb, sizes[k] - seg_rb[seg] * mpb)
+    seg_kvh, seg_rb = np.divmod(np.arange(seg_node.size) - seg0[seg_node], nrb[seg_node])
+    seg, u0, u1, seg_ptr, nprog = cut_pieces((-(-ntok // nbn))[seg_node], gn)
+    k, rb = seg_node[seg], seg_rb[seg]
+    n_in = np.minimum(mpb, sizes[k] - rb * mpb)  # [Pn] members of the piece's row block
     slot_base = np.cumsum(n_in) - n_in
-    mbase = plan.node_ptr[k] + seg_rb[seg] * mpb
-    node_work = np.stack([plan.node_members[plan.node_ptr[k]], seg_kvh[seg], mbase, n_in,
-                          plan.node_start[k] + u0 * nbn, np.minimum(plan.node_start[k] + u1 * nbn, plan.node_end[k]),
-                          slot_base], axis=1)
-    n_node_slots = int(n_in.sum())
+    n_node_slots = int(slot_base[-1] + n_in[-1])
     # --- leaves: (request, kv_head) private tails, decode pieces
-    tail = plan.seq_lens_host - plan.shared_len_host
-    live = np.flatnonzero(tail > 0)
-    lseg_req = np.repeat(live, hkv)
-    lseg_kvh = np.tile(np.arange(hkv), live.size)
-    lseg_units = -(-tail[lseg_req] // bn)
-    lseg, l0, l1, _, lprog = cut_pieces(lseg_units, gl) if live.size else (np.zeros(0, np.int64),) * 3 + (
-        np.zeros(gl + 1, np.int64),)
-    lreq = lseg_req[lseg]
-    lstart = plan.shared_len_host[lreq]
-    lslot = n_node_slots + np.arange(lseg.size)
-    leaf_work = np.stack([lreq, lseg_kvh[lseg], lstart + l0 * bn,
-                          np.minimum(lstart + l1 * bn, plan.seq_lens_host[lreq]), lslot], axis=1)
-    # --- merge lists, CSR over (request, kv_head): node slots (parents first, then token order),
-    # then the tail's. Counted and scattered (no sort over the slots).
-    req_ptr, slots = _merge_lists(plan, mpb, nrb, per_node, seg, n_in, slot_base, mbase, seg_kvh[seg],
-                                  lseg, lseg_req[lseg] * hkv + lseg_kvh[lseg], lslot)
-    plan.num_node_pieces, plan.num_leaf_pieces = int(seg.size), int(lseg.size)
-    plan.num_slots = n_node_slots + int(lseg.size)
-    plan.max_merge_len = int(np.diff(req_ptr).max()) if req_ptr.size > 1 else 1
-    parts = [("node_work", node_work), ("node_prog_ptr", nprog), ("leaf_work", leaf_work),
-             ("leaf_prog_ptr", lprog), ("req_ptr", req_ptr), ("slots", slots),
-             ("members", plan.node_members), ("seq_lens", plan.seq_lens_host)]
-    _upload(plan, parts, block_table_device)
+    live = np.flatnonzero(lens > shared)
+    if live.size:
+        lseg, l0, l1, lseg_ptr, lprog = cut_pieces(np.repeat(-(-(lens[live] - shared[live]) // bn), hkv), gl)
+    else:  # every request lies wholly in nodes
+        lseg = l0 = l1 = np.zeros(0, np.int64)
+        lseg_ptr, lprog = np.zeros(1, np.int64), np.zeros(gl + 1, np.int64)
+    n_leaf = lseg.size
+    src, h = _staging(plan, [("node_work", seg.size * NODE_FIELDS), ("node_prog_ptr", nprog.size),
+                             ("leaf_work", n_leaf * LEAF_FIELDS), ("leaf_prog_ptr", lprog.size),
+                             ("req_ptr", bsz * hkv + 1), ("slots", n_node_slots + n_leaf),
+                             ("members", members.size), ("seq_lens", bsz)], block_table_device)
+    mbase = ptr[k] + rb * mpb
+    kvh = seg_kvh[seg]
+    t0 = plan.node_start[k]
+    work = h["node_work"].reshape(-1, NODE_FIELDS)
+    for col, val in enumerate((members[ptr[k]], kvh, mbase, n_in, t0 + u0 * nbn,
+                               np.minimum(t0 + u1 * nbn, plan.node_end[k]), slot_base)):
+        work[:, col] = val
+    h["node_prog_ptr"][:] = nprog
+    lq, lkvh = _divmod(lseg, hkv)
+    lreq = live[lq]
+    lstart = shared[lreq]
+    work = h["leaf_work"].reshape(-1, LEAF_FIELDS)
+    l0 *= bn
+    l0 += lstart
+    l1 *= bn
+    l1 += lstart
+    for col, val in enumerate((lreq, lkvh, l0, np.minimum(l1, lens[lreq], out=l1),
+                               np.arange(n_node_slots, n_node_slots + n_leaf))):
+        work[:, col] = val
+    h["leaf_prog_ptr"][:] = lprog
+    h["members"][:] = members
+    h["seq_lens"][:] = lens
+    # --- merge lists, CSR over (request, kv_head): its node slots (parents first, each node's
+    # pieces in token order), then its tail's. Slots ascend along every list, so each slot's
+    # place is counted: the list's start + the pieces before it (no sort over the slots).
+    seg_pieces = np.diff(seg_ptr)
+    before, node_count = _node_pieces_before(plan, seg_pieces, seg0, nrb, mpb)
+    key = (live[:, None] * hkv + np.arange(hkv)).ravel()  # each leaf segment's list
+    count = node_count.copy()
+    count[key] += np.diff(lseg_ptr)
+    req_ptr = h["req_ptr"]
+    req_ptr[0] = 0
+    np.cumsum(count, out=req_ptr[1:])
+    slots = h["slots"]
+    # node slots: member j of piece p's row block -> list start + earlier nodes' pieces + p's rank
+    base = req_ptr[(members[:, None] * hkv + np.arange(hkv)).ravel()] + before  # [M * Hkv]
+    j = np.arange(mpb)
+    at = (mbase * hkv + kvh)[:, None] + j * hkv  # [Pn, mpb]
+    val = slot_base[:, None] + j
+    rank = np.broadcast_to((np.arange(seg.size) - seg_ptr[seg])[:, None], at.shape)
+    if int(n_in.min()) < mpb:  # partial row blocks
+        full = j < n_in[:, None]
+        at, val, rank = at[full], val[full], rank[full]
+    slots[base[at.ravel()] + rank.ravel()] = val.ravel()
+    # leaf slots: after the list's node slots, in piece order
+    first = req_ptr[key] + node_count[key] - lseg_ptr[:-1]
+    slots[first[lseg] + np.arange(n_leaf)] = np.arange(n_node_slots, n_node_slots + n_leaf)
+    plan.num_node_pieces, plan.num_leaf_pieces = int(seg.size), int(n_leaf)
+    plan.num_slots = n_node_slots + int(n_leaf)
+    plan.max_merge_len = int(count.max()) if count.size else 1
+    _upload(plan, src, h, block_table_device)
     plan.views["node_work"] = plan.views["node_work"].view(-1, NODE_FIELDS)
     plan.views["leaf_work"] = plan.views["leaf_work"].view(-1, LEAF_FIELDS)
     plan.partial_o = torch.empty(max(1, plan.num_slots), group, d, dtype=torch.float32, device=plan.device)
