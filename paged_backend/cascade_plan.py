@@ -335,11 +335,13 @@ def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, bloc
     j = np.arange(mpb)
     at = (mbase * hkv + kvh)[:, None] + j * hkv  # [Pn, mpb]
     val = slot_base[:, None] + j
-    rank = np.broadcast_to((np.arange(seg.size) - seg_ptr[seg])[:, None], at.shape)
+    rank = (np.arange(seg.size) - seg_ptr[seg])[:, None]
     if int(n_in.min()) < mpb:  # partial row blocks
         full = j < n_in[:, None]
-        at, val, rank = at[full], val[full], rank[full]
-    slots[base[at.ravel()] + rank.ravel()] = val.ravel()
+        at, val, rank = at[full], val[full], np.broadcast_to(rank, full.shape)[full]
+    pos = base[at]
+    pos += rank
+    slots[pos.ravel()] = val.ravel()
     # leaf slots: after the list's node slots, in piece order
     first = req_ptr[key] + node_count[key] - lseg_ptr[:-1]
     slots[first[lseg] + np.arange(n_leaf)] = np.arange(n_node_slots, n_node_slots + n_leaf)
