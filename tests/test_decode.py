@@ -1,4 +1,6 @@
 """Paged decode against the dense fp64 reference (torch path, or Triton under TRITON_INTERPRET=1)."""
+import zlib
+
 import pytest
 import torch
 
@@ -13,8 +15,9 @@ DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16]
 
 
 def run_case(seq_lens, hq, hkv, d, bs, dtype, layout="nhd", q_scale=1.0, plan_mode=None, num_programs=None,
-             scale=None):
-    torch.manual_seed(hash((tuple(seq_lens), hq, hkv, d, bs, str(dtype), layout)) % 2 ** 31)
+             scale=None, tol=None):
+    # A stable seed per case (hash() of strings changes from one process to the next).
+    torch.manual_seed(zlib.crc32(repr((tuple(seq_lens), hq, hkv, d, bs, str(dtype), layout)).encode()))
     q, k, v, bt, sl = make_decode_inputs(seq_lens, hq, hkv, d, bs, dtype, layout=layout, q_scale=q_scale)
     plan = None
     if plan_mode is not None:
@@ -24,7 +27,7 @@ def run_case(seq_lens, hq, hkv, d, bs, dtype, layout="nhd", q_scale=1.0, plan_mo
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == q.shape[:2] and lse.dtype == torch.float32
     ref_o, ref_lse = decode_reference(q, k, v, bt, sl, scale=scale)
-    assert_close_state(out, lse, ref_o, ref_lse, dtype)
+    assert_close_state(out, lse, ref_o, ref_lse, dtype, tol=tol)
     return out, lse
 
 
@@ -58,7 +61,8 @@ def test_vllm_strided_cache_views(layout):
 
 
 def test_huge_logits_stay_finite():
-    run_case([200, 3], 8, 2, 64, 16, torch.float32, q_scale=300.0)
+    # Scores of magnitude ~1e3 carry fp32 rounding of ~1e3 * 2^-24 = 6e-5 into the softmax weights.
+    run_case([200, 3], 8, 2, 64, 16, torch.float32, q_scale=300.0, tol=1e-4)
 
 
 def test_custom_scale():
