@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from kernels.attend import attend_paged_tile, finish_state
+from kernels.attend import attend_paged_range
 from kernels.decode import fold_states, run_pieces
 from kernels.dispatch import use_pdl
 
@@ -50,7 +50,6 @@ def _cascade_node_kernel(
     p_lo = tl.load(prog_ptr + g)
     p_hi = tl.load(prog_ptr + g + 1)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mem = offs_m // GP  # request of the row within the row block
     hh = offs_m % GP    # query head within the KV group
@@ -71,22 +70,10 @@ def _cascade_node_kernel(
         qh = kvh * GROUP + hh
         q = tl.load(q_ptr + req[:, None] * stride_qb + qh[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        bt_row = bt_ptr + rep * stride_btb
-        tok = start + offs_n
-        page = tl.load(bt_row + (tok // BS) * stride_btn, mask=tok < end, other=0)
-        for n0 in range(start, end, BLOCK_N):
-            tok = n0 + offs_n
-            # Next tile's page ids now, so its K/V loads do not wait on a dependent table load.
-            nxt = tok + BLOCK_N
-            page_next = tl.load(bt_row + (nxt // BS) * stride_btn, mask=nxt < end, other=0)
-            m_i, l_i, acc = attend_paged_tile(q, m_i, l_i, acc, k_ptr, v_ptr, page, tok, end, kvh, offs_d, d_ok,
-                                              qk_scale, stride_kb, stride_ks, stride_kh, stride_kd,
-                                              stride_vb, stride_vs, stride_vh, stride_vd, BS, IEEE)
-            page = page_next
-        o, lse = finish_state(m_i, l_i, acc)
+        o, lse = attend_paged_range(q, k_ptr, v_ptr, bt_ptr + rep * stride_btb, start, end, kvh, offs_d, d_ok,
+                                    qk_scale, stride_kb, stride_ks, stride_kh, stride_kd,
+                                    stride_vb, stride_vs, stride_vh, stride_vd, stride_btn,
+                                    BS, BLOCK_M, BLOCK_N, BLOCK_D, IEEE)
         slot = (slot_base + mem).to(tl.int64)
         tl.store(po_ptr + slot[:, None] * stride_pop + hh[:, None] * stride_poh + offs_d[None, :] * stride_pod,
                  o, mask=row_ok[:, None] & d_ok[None, :])

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels.attend import attend_paged_tile, finish_state
+from kernels.attend import attend_paged_range
 from kernels.dispatch import use_pdl
 
 
@@ -41,7 +41,6 @@ def _decode_kernel(
     p_lo = tl.load(prog_ptr + g)
     p_hi = tl.load(prog_ptr + g + 1)
     offs_h = tl.arange(0, BLOCK_H)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     h_ok = offs_h < GROUP
     d_ok = offs_d < D
@@ -58,23 +57,10 @@ def _decode_kernel(
         qh = kvh * GROUP + offs_h  # query heads of this KV head  [BLOCK_H]
         q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                     mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        bt_row = bt_ptr + b * stride_btb
-        tok = start + offs_n
-        page = tl.load(bt_row + (tok // BS) * stride_btn, mask=tok < end, other=0)
-        for n0 in range(start, end, BLOCK_N):
-            tok = n0 + offs_n
-            # Fetch the next tile's page ids now, so the K/V loads of the next iteration do not
-            # wait on a dependent block-table load.
-            nxt = tok + BLOCK_N
-            page_next = tl.load(bt_row + (nxt // BS) * stride_btn, mask=nxt < end, other=0)
-            m_i, l_i, acc = attend_paged_tile(q, m_i, l_i, acc, k_ptr, v_ptr, page, tok, end, kvh, offs_d, d_ok,
-                                              qk_scale, stride_kb, stride_ks, stride_kh, stride_kd,
-                                              stride_vb, stride_vs, stride_vh, stride_vd, BS, IEEE)
-            page = page_next
-        o, lse = finish_state(m_i, l_i, acc)
+        o, lse = attend_paged_range(q, k_ptr, v_ptr, bt_ptr + b * stride_btb, start, end, kvh, offs_d, d_ok,
+                                    qk_scale, stride_kb, stride_ks, stride_kh, stride_kd,
+                                    stride_vb, stride_vs, stride_vh, stride_vd, stride_btn,
+                                    BS, BLOCK_H, BLOCK_N, BLOCK_D, IEEE)
         o_mask = h_ok[:, None] & d_ok[None, :]
         if slot < 0:  # the segment's only piece: write the output itself
             tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :] * stride_od,
