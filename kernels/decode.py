@@ -92,9 +92,12 @@ def _fold_states_kernel(
     h = tl.program_id(1)
     lo = tl.load(list_ptr + s)  # plan data, written before the previous kernel started
     hi = tl.load(list_ptr + s + 1)
-    if not SKIP_SINGLE or hi - lo > 1:
-        if PDL:  # launched early (programmatic dependent launch): wait until the states are written
+    # Launched early (programmatic dependent launch): wait until the states are written. Program
+    # (0, 0) always waits, so this grid never completes before the one it follows.
+    if PDL:
+        if not SKIP_SINGLE or hi - lo > 1 or s + h == 0:
             gdc_wait()
+    if not SKIP_SINGLE or hi - lo > 1:
         offs_p = tl.arange(0, BLOCK_P)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
@@ -134,7 +137,8 @@ def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, 
     token_start, token_end, slot). A piece with slot < 0 writes ``out``/``lse`` rows; one with a
     slot writes ``partial_o [P, group, D]``/``partial_lse [P, group]`` fp32. Tuned on an H200.
     ``beside_prior`` (Hopper+, PDL): the previous kernel on the stream neither feeds nor reads these
-    pieces, so they start while it runs and the grid ends only after it."""
+    pieces, so they start while it runs and the grid ends only after it. (Launching a decode early
+    and waiting for the previous kernel before reading q was slower everywhere on an H100.)"""
     hq, d = q.shape[1], q.shape[2]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
