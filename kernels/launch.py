@@ -18,7 +18,8 @@ options: num_warps, num_stages, launch_pdl, ...) with its type; the current devi
 The normal path is used throughout under TRITON_INTERPRET=1, with PAGED_BACKEND_DIRECT_LAUNCH=0,
 or on a Triton other than 3.6-3.9 (the versions whose ``JITFunction.run``, ``CompiledKernel`` and
 CUDA launcher this was checked against); and per call for what this does not know: an autotuner,
-a tensor subclass or other argument type, a kernel that reads global variables.
+a tensor subclass or other argument type, a tensor passed by keyword, a grid that is not a tuple,
+a kernel that reads global variables.
 """
 from __future__ import annotations
 
@@ -103,6 +104,8 @@ def _bind(fn, compiled, n_args: int, kw: dict) -> tuple:
     names = fn.arg_names[n_args:]
     if fn.used_global_vals or not set(names) <= kw.keys():  # run() re-checks globals; defaults not bound
         return ()
+    if any(isinstance(v, torch.Tensor) for v in kw.values()):  # keyed by identity there, not by pointer
+        return ()
     function, packed = getattr(compiled, "function", None), getattr(compiled, "packed_metadata", None)
     if function is None or packed is None:
         return ()
@@ -115,7 +118,7 @@ def launch(fn, grid: tuple, *args, **kw) -> None:
     (constexprs) by name and the launch options."""
     global _device, _stream
     entry = ()  # () takes the normal path; None: the normal path, then bind for next time
-    if DISABLED_BY is None and isinstance(fn, JITFunction) and not _watched(fn):
+    if DISABLED_BY is None and type(grid) is tuple and isinstance(fn, JITFunction) and not _watched(fn):
         spec = arg_key(args, kw)
         if spec is not None:
             if _device is None:

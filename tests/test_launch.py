@@ -136,7 +136,9 @@ def test_watchers_and_unknown_arguments_take_the_normal_path(calls, monkeypatch)
     monkeypatch.setattr(_scale, "pre_run_hooks", [])
     for _ in range(2):
         launch.launch(_scale, (4,), torch.nn.Parameter(x), y, 64, BLOCK=16)
-    assert [c[0] for c in calls] == ["normal"] * 5
+        launch.launch(_scale, (4,), x, n=64, y_ptr=y, BLOCK=16)  # a tensor by keyword
+        launch.launch(_scale, lambda meta: (4,), x, y, 64, BLOCK=16)
+    assert [c[0] for c in calls] == ["normal"] * 9
     launch.launch(_scale, (4,), x, y, 64, BLOCK=16)
     assert calls[-1][0] == "direct"
 
