@@ -107,7 +107,7 @@ def check_block_table(block_table, seq_lens, num_blocks: int, block_size: int, b
                 f"seq_lens max {hi} exceeds the block table's capacity "
                 f"{block_table.shape[1]} blocks x {block_size} = {capacity}")
     if debug_enabled() and host is not None and host.size:
-        used = (torch.from_numpy(host).to(torch.int64) + block_size - 1) // block_size
+        used = (torch.from_numpy(host.astype(np.int64)) + block_size - 1) // block_size  # (a plan's is read-only)
         cols = torch.arange(block_table.shape[1])
         live = cols[None, :] < used[:, None]
         ids = block_table.cpu()[live]

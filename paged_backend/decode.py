@@ -6,7 +6,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kernels.checks import check_attention_inputs, check_block_table, check_plan_matches, check_shape, check_tensor
+from kernels.checks import (FLOAT_DTYPES, HEAD_DIMS, check_attention_inputs, check_block_table, check_plan_matches,
+                            check_scale, check_shape, check_tensor, debug_enabled)
 from kernels.decode import decode_torch, decode_triton
 from kernels.dispatch import use_triton
 from paged_backend.plan import DecodePlan, plan_decode
@@ -31,6 +32,45 @@ def _output(name, t, shape, dtype, device):
     return t
 
 
+def _fits_plan(q, k_cache, v_cache, block_table, seq_lens, plan) -> bool:
+    """True only where every check of ``_checked`` passes, for the common call (a plan from plan_decode,
+    no caller outputs) at the cost of some attribute reads; otherwise ``_checked`` runs and names
+    what is wrong. The plan's fields are read, not cached: they are public and could change."""
+    tensor = torch.Tensor
+    if type(plan) is not DecodePlan or not (type(q) is tensor and type(k_cache) is tensor
+                                            and type(v_cache) is tensor and type(block_table) is tensor
+                                            and type(seq_lens) is tensor):
+        return False
+    b, hq, hkv, d, bs, dev = (plan.batch_size, plan.num_q_heads, plan.num_kv_heads, plan.head_dim, plan.block_size,
+                              plan.device)
+    lens, top = plan.host_max
+    dtype, k_shape, bt_shape = q.dtype, k_cache.shape, block_table.shape
+    return (lens is plan.seq_lens_host and dtype in FLOAT_DTYPES and k_cache.dtype is dtype
+            and v_cache.dtype is dtype and block_table.dtype is torch.int32 and seq_lens.dtype is torch.int32
+            and q.shape == (b, hq, d) and k_shape[1:] == (bs, hkv, d) and k_shape[0] > 0
+            and v_cache.shape == k_shape and len(bt_shape) == 2 and bt_shape[0] == b and seq_lens.shape == (b,)
+            and top <= bt_shape[1] * bs
+            and d in HEAD_DIMS and 0 < bs <= 256 and not bs & (bs - 1) and 0 < hkv and 0 < hq and not hq % hkv
+            and q.device == dev and k_cache.device == dev and v_cache.device == dev and block_table.device == dev
+            and seq_lens.device == dev and not debug_enabled())
+
+
+def _checked(q, k_cache, v_cache, block_table, seq_lens, scale, plan, out, lse_out):
+    """Every input check, each error naming its argument -> ``(scale, out, lse)``."""
+    nb, bs, hkv, d, hq, scale = check_attention_inputs(q, k_cache, v_cache, scale)
+    batch = q.shape[0]
+    if plan is not None:
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan must be a DecodePlan from pb.plan_decode, got {type(plan).__name__}")
+        check_plan_matches("plan", plan, q.device, batch_size=batch, num_q_heads=hq, num_kv_heads=hkv,
+                           head_dim=d, block_size=bs)
+    check_block_table(block_table, seq_lens, nb, bs, batch, q.device,
+                      seq_lens_host=None if plan is None else plan.seq_lens_host)
+    out = _output("out", out, (batch, hq, d), q.dtype, q.device)
+    lse = _output("lse_out", lse_out, (batch, hq), torch.float32, q.device)
+    return scale, out, lse
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float | None = None, plan: DecodePlan | None = None,
                  return_lse: bool = True, *, out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None):
@@ -53,20 +93,19 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     the results there instead of new tensors (e.g. straight into a collective's send buffer, see
     ``TreeMerger.send_views``); ``lse_out`` is written even when ``return_lse=False``.
     """
-    nb, bs, hkv, d, hq, scale = check_attention_inputs(q, k_cache, v_cache, scale)
-    batch = q.shape[0]
-    if plan is not None:
-        if not isinstance(plan, DecodePlan):
-            raise TypeError(f"plan must be a DecodePlan from pb.plan_decode, got {type(plan).__name__}")
-        check_plan_matches("plan", plan, q.device, batch_size=batch, num_q_heads=hq, num_kv_heads=hkv,
-                           head_dim=d, block_size=bs)
-    check_block_table(block_table, seq_lens, nb, bs, batch, q.device,
-                      seq_lens_host=None if plan is None else plan.seq_lens_host)
-    out = _output("out", out, (batch, hq, d), q.dtype, q.device)
-    lse = _output("lse_out", lse_out, (batch, hq), torch.float32, q.device)
+    if out is None and lse_out is None and _fits_plan(q, k_cache, v_cache, block_table, seq_lens, plan):
+        b, hq, d = plan.batch_size, plan.num_q_heads, plan.head_dim
+        scale = check_scale(scale, d)
+        # (sizes as ints: torch.empty parses a torch.Size argument a microsecond slower)
+        out = torch.empty(b, hq, d, dtype=q.dtype, device=plan.device)
+        lse = torch.empty(b, hq, dtype=torch.float32, device=plan.device)
+    else:
+        scale, out, lse = _checked(q, k_cache, v_cache, block_table, seq_lens, scale, plan, out, lse_out)
     if use_triton(q):
         if plan is None:
-            plan = _capacity_plan(batch, block_table.shape[1] * bs, hq, hkv, d, bs, q.device)
+            b, hq, d = q.shape
+            bs, hkv = k_cache.shape[1], k_cache.shape[2]
+            plan = _capacity_plan(b, block_table.shape[1] * bs, hq, hkv, d, bs, q.device)
         decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale, out, lse)
     else:
         decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale, out, lse)

@@ -218,6 +218,9 @@ class DecodePlan:
     _staging_host: list = field(default=None, repr=False)  # their numpy views
     _copied: list = field(default=None, repr=False)
     _flip: int = 0
+    _views: tuple = field(default=None, repr=False)  # work, prog_ptr, seg_ptr: views of buffers, made once
+    # (seq_lens_host, its max) as of the last update; paged_decode uses the max while the array is the same
+    host_max: tuple = field(default=(None, 0), repr=False)
 
     @property
     def num_programs(self) -> int:
@@ -233,17 +236,15 @@ class DecodePlan:
 
     @property
     def work(self) -> torch.Tensor:  # [max_pieces, 5]
-        return self.buffers[: self.max_pieces * WORK_FIELDS].view(self.max_pieces, WORK_FIELDS)
+        return self._views[0]
 
     @property
     def prog_ptr(self) -> torch.Tensor:  # [G + 1]
-        start = self.max_pieces * WORK_FIELDS
-        return self.buffers[start: start + self.num_programs + 1]
+        return self._views[1]
 
     @property
     def seg_ptr(self) -> torch.Tensor:  # [B * Hkv + 1]
-        start = self.max_pieces * WORK_FIELDS + self.num_programs + 1
-        return self.buffers[start:]
+        return self._views[2]
 
     def update(self, seq_lens_cpu) -> "DecodePlan":
         """Re-partition for new lengths (same batch size) into the same device buffers."""
@@ -255,7 +256,12 @@ class DecodePlan:
 
     def _update(self, lens: np.ndarray) -> "DecodePlan":
         """``update`` of checked lengths (``_as_host_lens``)."""
+        # The plan's own read-only copy: a caller's later writes to its array cannot change what
+        # was planned, nor make the maximum that paged_decode checks against stale.
+        lens = lens.copy()
+        lens.flags.writeable = False
         self.seq_lens_host = lens
+        self.host_max = (lens, int(lens.max()) if lens.size else 0)
         if self.buffers is None:
             self._allocate()
         self._partition(lens)
@@ -293,6 +299,8 @@ class DecodePlan:
             # thread pool, which took milliseconds for 0.7 MB on a busy 2-core machine.)
             self.buffers = torch.from_numpy(self._host)
         at = rows * WORK_FIELDS
+        self._views = (self.buffers[:at].view(rows, WORK_FIELDS), self.buffers[at: at + self.num_programs + 1],
+                       self.buffers[at + self.num_programs + 1:])
         self._work = self._host[:at].reshape(rows, WORK_FIELDS)
         self._rows = self._host[:at].view(ROW)
         self._prog_ptr = self._host[at: at + self.num_programs + 1]

@@ -1,8 +1,12 @@
 """Every bad argument of write_kv, paged_decode and the merges raises an error naming it."""
+import re
+
+import numpy as np
 import pytest
 import torch
 
 import paged_backend as pb
+from paged_backend.decode import _checked
 from paged_inputs import make_decode_inputs
 
 
@@ -19,7 +23,7 @@ def call_decode(args, **kw):
                            **a)
 
 
-@pytest.mark.parametrize("change,err,match", [
+DECODE_CASES = [
     (lambda a: dict(q=a["q"].numpy()), TypeError, "q"),
     (lambda a: dict(q=a["q"][0]), ValueError, "q"),
     (lambda a: dict(q=a["q"].half()), TypeError, "q"),
@@ -58,21 +62,77 @@ def call_decode(args, **kw):
     (lambda a: dict(lse_out=torch.empty(2, 8, dtype=torch.float64)), TypeError, "^lse_out "),
     (lambda a: dict(lse_out=torch.empty(8, 2)), ValueError, "^lse_out "),
     (lambda a: dict(lse_out=torch.empty(8, 2).t()), ValueError, "^lse_out must be contiguous"),
-])
+]
+
+
+@pytest.mark.parametrize("change,err,match", DECODE_CASES)
 def test_decode_bad_argument(dec, change, err, match):
     with pytest.raises(err, match=match):
         call_decode(dec, **change(dec))
 
 
-def test_decode_debug_mode_checks_block_ids(dec, monkeypatch):
+def plan_for(lens):
+    return pb.plan_decode(lens, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, device="cpu")
+
+
+@pytest.mark.parametrize("change,err,match", DECODE_CASES)
+def test_decode_with_a_plan_raises_what_the_full_checks_raise(dec, change, err, match):
+    """With a matching plan the usual call takes the quick checks: whatever the full checks reject
+    must still raise their error. (With a plan, lengths are checked on its host copy.)"""
+    a = dict(dec, plan=plan_for([20, 5]))
+    a.update(change(dec))
+    try:
+        _checked(a["q"], a["k_cache"], a["v_cache"], a["block_table"], a["seq_lens"], a.get("scale"), a["plan"],
+                 a.get("out"), a.get("lse_out"))
+    except (TypeError, ValueError) as e:
+        with pytest.raises(type(e), match=re.escape(str(e))):
+            call_decode(a)
+
+
+def test_decode_checks_a_plan_again_after_update(dec):
+    plan = plan_for([20, 5])
+    call_decode(dec, plan=plan)
+    plan.update([20, 10 ** 6])
+    with pytest.raises(ValueError, match="capacity"):
+        call_decode(dec, plan=plan)
+    plan.update([20, 5])
+    call_decode(dec, plan=plan)
+
+
+def test_plan_keeps_its_own_lengths(dec):
+    lens = np.array([20, 5])
+    plan = plan_for(lens)
+    lens[1] = 10 ** 6  # the caller's array, changed after planning, is not the plan's
+    assert plan.seq_lens_host.tolist() == [20, 5]
+    call_decode(dec, plan=plan)
+    with pytest.raises(ValueError, match="read-only"):
+        plan.seq_lens_host[1] = 10 ** 6
+
+
+def test_decode_checks_replaced_plan_fields(dec):
+    plan = plan_for([20, 5])
+    call_decode(dec, plan=plan)
+    plan.seq_lens_host = np.array([20, 10 ** 6])
+    with pytest.raises(ValueError, match="capacity"):
+        call_decode(dec, plan=plan)
+    plan = plan_for([20, 5])
+    plan.num_q_heads = 4
+    with pytest.raises(ValueError, match="plan.num_q_heads"):
+        call_decode(dec, plan=plan)
+
+
+@pytest.mark.parametrize("with_plan", [False, True])
+def test_decode_debug_mode_checks_block_ids(dec, monkeypatch, with_plan):
+    plan = plan_for([20, 5]) if with_plan else None
+    call_decode(dec, plan=plan)
     monkeypatch.setenv("PAGED_BACKEND_DEBUG", "1")
     bt = dec["block_table"].clone()
     bt[1, 0] = 10 ** 6
     with pytest.raises(ValueError, match="block_table"):
-        call_decode(dec, block_table=bt)
+        call_decode(dec, block_table=bt, plan=plan)
     bt[1, 0] = -3
     with pytest.raises(ValueError, match="block_table"):
-        call_decode(dec, block_table=bt)
+        call_decode(dec, block_table=bt, plan=plan)
 
 
 def test_decode_ignores_unused_table_entries(dec, monkeypatch):

@@ -1,0 +1,228 @@
+"""The direct launch (kernels/launch.py): its key, when it must take the normal path, and (GPU) that
+it gives the same bits as the normal path."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+
+import paged_backend as pb
+from kernels import launch
+from kernels.decode import _decode_kernel, _fold_states_kernel
+from kernels.dispatch import INTERPRET
+from paged_backend.cascade_plan import CascadeCost
+from paged_inputs import make_cache, make_decode_inputs
+
+
+@triton.jit
+def _scale(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+
+def key(*args, **kw):
+    return launch.arg_key(args, kw)
+
+
+def triton_spec(*args):
+    return [native_specialize_impl(BaseBackend, a, False, True, True) for a in args]
+
+
+def test_key_tracks_alignment_and_dtype():
+    x = torch.zeros(64, dtype=torch.float16)
+    assert key(x) == key(x[8:]) == key(torch.zeros(3, dtype=torch.float16))  # 16-byte aligned
+    assert key(x) != key(x[1:]) and key(x) != key(x[4:])  # 2 and 8 bytes off
+    assert key(x) != key(x.float()) and key(x) != key(x.view(torch.bfloat16))
+
+
+def test_key_tracks_ints_and_keyword_values():
+    for a, b in [(1, 17), (16, 17), (16, 32), (2 ** 31 - 16, 2 ** 31), (0, -16)]:
+        assert key(a) != key(b)
+    assert key(3, 4, BLOCK=64, num_warps=4) != key(3, 4, BLOCK=64, num_warps=8)
+    assert key(3, BLOCK=64) != key(3, BLOCK=128) != key(3, BLOCK=64, num_stages=2)
+
+
+def test_key_tells_bool_int_float_apart():
+    assert len({key(1), key(True), key(1.0)}) == 3
+    assert len({key(BLOCK=1), key(BLOCK=True), key(BLOCK=1.0)}) == 3
+
+
+def test_equal_keys_mean_equal_triton_specializations():
+    x = torch.zeros(64)
+    cases = [x, x[1:], x[4:], x.half(), x[2:].half(), 0, 1, 2, 16, 17, 2 ** 31, 2 ** 63, -16, True, 0.5, None]
+    for a in cases:
+        for b in cases:
+            if key(a) == key(b):
+                assert triton_spec(a) == triton_spec(b), (a, b)
+
+
+def test_unknown_argument_types_have_no_key():
+    assert key(torch.nn.Parameter(torch.zeros(4))) is None
+    assert key([1, 2]) is None and key(np.int64(3)) is None
+
+
+def test_disabled_by():
+    assert launch.disabled_by(interpret=True, switch="1", version="3.6.0") == "TRITON_INTERPRET=1"
+    assert launch.disabled_by(interpret=False, switch="0", version="3.6.0") == "PAGED_BACKEND_DIRECT_LAUNCH=0"
+    for version in ("3.5.1", "3.10.0", "4.0.0"):
+        assert "Triton" in launch.disabled_by(interpret=False, switch="1", version=version)
+    for version in ("3.6.0", "3.9.0+git1234"):
+        assert launch.disabled_by(interpret=False, switch="1", version=version) is None
+    assert launch.DISABLED_BY == launch.disabled_by()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The direct path switched on without a GPU: _scale's normal launches and its compiled kernel's
+    launcher only record their calls."""
+    seen = []
+    compiled = SimpleNamespace(function="function", packed_metadata="packed",
+                               run=lambda *a: seen.append(("direct",) + a))
+
+    def run(*args, grid, warmup, **kw):
+        seen.append(("normal", grid) + args)
+        return compiled
+
+    monkeypatch.setattr(_scale, "run", run)  # JITFunction.__getitem__ calls self.run
+    monkeypatch.setattr(launch, "DISABLED_BY", None)
+    monkeypatch.setattr(launch, "_device", lambda: 0)
+    monkeypatch.setattr(launch, "_stream", lambda device: "stream")
+    monkeypatch.setattr(launch, "_entries", {})
+    return seen
+
+
+def test_second_launch_calls_the_compiled_kernel(calls):
+    x, y = torch.zeros(64), torch.zeros(64)
+    for _ in range(3):
+        launch.launch(_scale, (4,), x, y, 64, BLOCK=16, num_warps=2)
+    assert calls == [("normal", (4,), x, y, 64),
+                     ("direct", 4, 1, 1, "stream", "function", "packed", None, None, None, x, y, 64, 16),
+                     ("direct", 4, 1, 1, "stream", "function", "packed", None, None, None, x, y, 64, 16)]
+
+
+@pytest.mark.parametrize("change", [
+    lambda x, y: ((x[1:], y, 63), {}),  # misaligned pointer
+    lambda x, y: ((x, y.double(), 64), {}),  # dtype
+    lambda x, y: ((x, y, 1), {}),  # an int that becomes 1
+    lambda x, y: ((x, y, 17), {}),  # an int that is not a multiple of 16
+    lambda x, y: ((x, y, 64), {"BLOCK": 32}),  # a constexpr
+    lambda x, y: ((x, y, 64), {"num_warps": 4}),  # a launch option
+])
+def test_a_new_specialization_takes_the_normal_path_once(calls, change):
+    x, y = torch.zeros(64), torch.zeros(64)
+    kw = dict(BLOCK=16, num_warps=2)
+    launch.launch(_scale, (4,), x, y, 64, **kw)
+    args, new = change(x, y)
+    for _ in range(2):
+        launch.launch(_scale, (4,), *args, **dict(kw, **new))
+    assert [c[0] for c in calls] == ["normal", "normal", "direct"]
+
+
+def test_watchers_and_unknown_arguments_take_the_normal_path(calls, monkeypatch):
+    x, y = torch.zeros(64), torch.zeros(64)
+    launch.launch(_scale, (4,), x, y, 64, BLOCK=16)
+    hook = lambda *a: None  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launch.launch(_scale, (4,), x, y, 64, BLOCK=16)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    monkeypatch.setattr(_scale, "pre_run_hooks", [hook])
+    launch.launch(_scale, (4,), x, y, 64, BLOCK=16)
+    monkeypatch.setattr(_scale, "pre_run_hooks", [])
+    for _ in range(2):
+        launch.launch(_scale, (4,), torch.nn.Parameter(x), y, 64, BLOCK=16)
+        launch.launch(_scale, (4,), x, n=64, y_ptr=y, BLOCK=16)  # a tensor by keyword
+        launch.launch(_scale, lambda meta: (4,), x, y, 64, BLOCK=16)
+    assert [c[0] for c in calls] == ["normal"] * 9
+    launch.launch(_scale, (4,), x, y, 64, BLOCK=16)
+    assert calls[-1][0] == "direct"
+
+
+def test_a_kernel_reading_globals_always_takes_the_normal_path(calls, monkeypatch):
+    monkeypatch.setattr(_scale, "used_global_vals", {("G", 0): (1, {"G": 1})})  # run() re-checks these
+    x, y = torch.zeros(64), torch.zeros(64)
+    for _ in range(3):
+        launch.launch(_scale, (4,), x, y, 64, BLOCK=16)
+    assert [c[0] for c in calls] == ["normal"] * 3
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(not INTERPRET, reason="runs Triton kernels: the TRITON_INTERPRET=1 pass of run_cpu.sh")
+def test_interpreter_takes_the_normal_path(monkeypatch):
+    assert launch.DISABLED_BY == "TRITON_INTERPRET=1"
+    q, k, v, bt, sl = make_decode_inputs([40, 3], 4, 2, 64, 16, torch.float32)
+    plan = pb.plan_decode([40, 3], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",
+                          num_programs=3, block_n=16)
+    want = pb.paged_decode(q, k, v, bt, sl, plan=plan)
+    # Even with the switch forced on, interpreted kernels are not JITFunctions: nothing is bound.
+    monkeypatch.setattr(launch, "DISABLED_BY", None)
+    monkeypatch.setattr(launch, "_entries", {})
+    for _ in range(2):
+        got = pb.paged_decode(q, k, v, bt, sl, plan=plan)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert launch._entries == {}
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` whose data starts 1 element past a 16-byte boundary."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 16
+    return view
+
+
+def _assert_direct_matches_normal(monkeypatch, cases: dict, call):
+    """Each case through the normal path, then three rounds (the first binds, later ones go direct,
+    specializations interleaved) must give the same bits."""
+    assert launch.DISABLED_BY is None, f"direct launch is off here: {launch.DISABLED_BY}"
+    monkeypatch.setattr(launch, "DISABLED_BY", "test: the normal path")
+    normal = {name: call(*args) for name, args in cases.items()}
+    monkeypatch.setattr(launch, "DISABLED_BY", None)
+    monkeypatch.setattr(launch, "_entries", {})
+    for _ in range(3):
+        for name, args in cases.items():
+            out, lse = call(*args)
+            assert torch.equal(out, normal[name][0]) and torch.equal(lse, normal[name][1]), name
+    torch.cuda.synchronize()
+    assert {e[0] for e in launch._entries.values() if e} == {_decode_kernel, _fold_states_kernel}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("mode", ["stream_k", "split"])
+def test_gpu_direct_decode_gives_the_normal_bits(monkeypatch, dtype, mode):
+    lens = [1, 17, 5000, 0, 333]
+    q, k, v, bt, sl = make_decode_inputs(lens, 32, 8, 128, 16, dtype, device="cuda", layout="vllm")
+    plan = pb.plan_decode(lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda",
+                          mode=mode)
+    cases = {"contiguous": (q, bt, sl), "misaligned q": (_misaligned(q), bt, sl),
+             "strided q": (q.transpose(0, 1).contiguous().transpose(0, 1), bt, sl),
+             "misaligned table and lengths": (q, _misaligned(bt), _misaligned(sl))}
+    _assert_direct_matches_normal(monkeypatch, cases, lambda q, bt, sl: pb.paged_decode(q, k, v, bt, sl, plan=plan))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_direct_cascade_gives_the_normal_bits(monkeypatch):
+    """The cascade's leaf pieces launch beside the node kernel (launch_pdl) and fold with slots."""
+    bs, n, prefix, suffix = 16, 6, 4096, 300
+    cols = -(-(prefix + suffix) // bs)
+    shared = prefix // bs
+    table = np.zeros((n, cols), dtype=np.int32)
+    table[:, shared:] = shared + np.arange(n * (cols - shared)).reshape(n, cols - shared)
+    table[:, :shared] = np.arange(shared)
+    lens = np.full(n, prefix + suffix)
+    k, v = make_cache(int(table.max()) + 1, bs, 8, 128, torch.bfloat16, device="cuda")
+    q = torch.randn(n, 32, 128, device="cuda").to(torch.bfloat16)
+    cplan = pb.plan_cascade(table, lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=bs, device="cuda",
+                            cost=CascadeCost(0, 0, 0))
+    assert not cplan.is_flat
+    cases = {"contiguous": (q,), "misaligned q": (_misaligned(q),)}
+    _assert_direct_matches_normal(monkeypatch, cases, lambda q: pb.cascade_decode(q, k, v, cplan))
