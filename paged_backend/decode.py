@@ -55,6 +55,12 @@ def _fits_plan(q, k_cache, v_cache, block_table, seq_lens, plan) -> bool:
             and seq_lens.device == dev and not debug_enabled())
 
 
+def _fits_out(t, shape, dtype, device) -> bool:
+    """True for no caller output, or one that ``_output`` accepts without a word."""
+    return t is None or (type(t) is torch.Tensor and t.dtype is dtype and t.shape == shape and t.device == device
+                         and t.is_contiguous())
+
+
 def _checked(q, k_cache, v_cache, block_table, seq_lens, scale, plan, out, lse_out):
     """Every input check, each error naming its argument -> ``(scale, out, lse)``."""
     nb, bs, hkv, d, hq, scale = check_attention_inputs(q, k_cache, v_cache, scale)
@@ -93,12 +99,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     the results there instead of new tensors (e.g. straight into a collective's send buffer, see
     ``TreeMerger.send_views``); ``lse_out`` is written even when ``return_lse=False``.
     """
-    if out is None and lse_out is None and _fits_plan(q, k_cache, v_cache, block_table, seq_lens, plan):
+    if _fits_plan(q, k_cache, v_cache, block_table, seq_lens, plan) and _fits_out(out, q.shape, q.dtype, q.device) \
+            and _fits_out(lse_out, q.shape[:2], torch.float32, q.device):
         b, hq, d = plan.batch_size, plan.num_q_heads, plan.head_dim
         scale = check_scale(scale, d)
         # (sizes as ints: torch.empty parses a torch.Size argument a microsecond slower)
-        out = torch.empty(b, hq, d, dtype=q.dtype, device=plan.device)
-        lse = torch.empty(b, hq, dtype=torch.float32, device=plan.device)
+        out = torch.empty(b, hq, d, dtype=q.dtype, device=plan.device) if out is None else out
+        lse = torch.empty(b, hq, dtype=torch.float32, device=plan.device) if lse_out is None else lse_out
     else:
         scale, out, lse = _checked(q, k_cache, v_cache, block_table, seq_lens, scale, plan, out, lse_out)
     if use_triton(q):
