@@ -94,7 +94,7 @@ def lcp_with_leaders(table: np.ndarray, rows: np.ndarray, leads: np.ndarray, sta
     Rows that each have their own leader scan in chunks of 64, 256, 1024, ... columns. A run whose
     probe shares far more than its other rows reads past their LCPs (at worst up to the probe's)."""
     start, cap = np.asarray(start, dtype=np.int64), np.asarray(cap, dtype=np.int64)
-    todo = np.flatnonzero(cap > start)
+    todo = (cap > start).nonzero()[0]
     if todo.size == cap.size:
         return _lcp(table, rows, leads, start, cap)
     e = cap.copy()
@@ -111,27 +111,29 @@ def _lcp(table, rows, leads, a, b):
     new = np.empty(rows.size, dtype=bool)
     new[0] = True
     np.not_equal(leads[1:], leads[:-1], out=new[1:])
-    rs = np.flatnonzero(new)  # each run's first row
+    rs = new.nonzero()[0]  # each run's first row
     if rs.size == rows.size:  # every row has its own leader: chunks
         e = b.copy()
         todo, w = np.arange(rows.size), _CHUNK0
         while todo.size:
             end = np.minimum(a + w, b)
             e[todo] = f = _first_mismatch(table, rows, leads, a, end, int((end - a).sum()))
-            go = np.flatnonzero((f == end) & (end < b))
+            go = ((f == end) & (end < b)).nonzero()[0]
             todo, rows, leads, a, b, w = todo[go], rows[go], leads[go], end[go], b[go], 4 * w
         return e
-    runs = np.diff(rs, append=rows.size)
+    runs = np.empty_like(rs)
+    runs[:-1] = rs[1:] - rs[:-1]
+    runs[-1] = rows.size - rs[-1]
     mid = rs + runs // 2
     e = np.empty(rows.size, dtype=np.int64)
     e[mid] = pe = _lcp(table, rows[mid], leads[mid], a[mid], b[mid])
-    others = np.ones(rows.size, dtype=bool)
-    others[mid] = False
-    rest = np.flatnonzero(others)
+    new[:] = True
+    new[mid] = False
+    rest = new.nonzero()[0]  # the others, runs - 1 of each run
     ar, br = a[rest], b[rest]
-    bound = np.minimum(np.maximum(pe.repeat(runs)[rest] + 1, ar + _CHUNK0), br)
+    bound = np.minimum(np.maximum(pe.repeat(runs - 1) + 1, ar + _CHUNK0), br)
     f = _first_mismatch(table, rows[rest], leads[rest], ar, bound, int((bound - ar).sum()))
-    more = np.flatnonzero((f == bound) & (bound < br))  # matched all of their span: go on from its end
+    more = ((f == bound) & (bound < br)).nonzero()[0]  # matched all of their span: go on from its end
     if more.size:
         m = rest[more]
         f[more] = _lcp(table, rows[m], leads[m], bound[more], br[more])
@@ -159,7 +161,7 @@ def _subgroups(gid, key: np.ndarray):
         s >>= pb
         same = s[1:] == s[:-1]  # [n - 1] as the previous row
     else:
-        o = np.argsort(key, kind="stable") if gid is None else np.lexsort((key, gid))
+        o = key.argsort(kind="stable") if gid is None else np.lexsort((key, gid))
         k = key[o]
         same = k[1:] == k[:-1]
         if gid is not None:
@@ -170,15 +172,17 @@ def _subgroups(gid, key: np.ndarray):
     keep[:-1] |= same
     head = keep.copy()  # a kept run's first row: kept, and not as the previous row
     np.greater(keep[1:], same, out=head[1:])
-    starts = np.flatnonzero(head[keep])
-    o = o[keep]
-    return o, starts, np.diff(starts, append=o.size)
+    starts = head[keep].nonzero()[0]
+    sizes = np.empty_like(starts)
+    sizes[:-1] = starts[1:] - starts[:-1]
+    sizes[-1:] = keep.sum() - starts[-1:]
+    return o[keep], starts, sizes
 
 
 def auto_forest(table: np.ndarray, full: np.ndarray, pays):
     """The prefix forest of ``table``'s rows over their first ``full`` blocks, folded by ``pays``."""
     bsz = full.size
-    cand = np.flatnonzero(full > 0)
+    cand = (full > 0).nonzero()[0]
     if cand.size < 2:
         return _empty(bsz)
     # level 0: group by the first block (cand is ascending, the sort is stable)
@@ -186,7 +190,7 @@ def auto_forest(table: np.ndarray, full: np.ndarray, pays):
     if not gstart.size:
         return _empty(bsz)  # no two rows share a first block: flat, without reading further
     rows = cand[o]
-    gid = np.repeat(np.arange(gstart.size), n)  # [R] each row's group
+    gid = np.arange(gstart.size).repeat(n)  # [R] each row's group
     c = np.zeros(gstart.size, dtype=np.int64)   # [G] first column of each group's own range
     e = np.full(rows.size, -1, dtype=np.int64)  # [R] LCP with the group's leader, -1: not measured
     kd = np.zeros(bsz, dtype=np.int64)           # kept depth per request
@@ -196,7 +200,7 @@ def auto_forest(table: np.ndarray, full: np.ndarray, pays):
     while True:
         lead, flead = rows[gstart], fr[gstart]
         e[gstart] = flead
-        t = np.flatnonzero(e < 0)
+        t = (e < 0).nonzero()[0]
         if t.size:
             g = gid[t]
             e[t] = lcp_with_leaders(table, rows[t], lead[g], c[g] + 1, np.minimum(fr[t], flead[g]))
@@ -215,7 +219,7 @@ def auto_forest(table: np.ndarray, full: np.ndarray, pays):
             level_parts.append(kc[lead[keep]])
             kc[m] += 1
         # children: members with a block at their group's depth, sub-grouped by it
-        live = np.flatnonzero(fr > dg)
+        live = (fr > dg).nonzero()[0]
         if live.size < 2:
             break
         rl = rows[live]
@@ -225,7 +229,7 @@ def auto_forest(table: np.ndarray, full: np.ndarray, pays):
         p = live[o]
         rows, fr, ep, dp = rl[o], fr[p], e[p], dg[p]
         c = dp[gstart]
-        gid = np.repeat(np.arange(gstart.size), n)
+        gid = np.arange(gstart.size).repeat(n)
         e = np.where(ep > dp, ep, -1)  # in the leader's sub-group: the measured LCP stays valid
     if not ptr_parts:
         return _empty(bsz)[:5] + (kd,)

@@ -239,7 +239,7 @@ def _write_leaves(work: np.ndarray, lseg, l0, l1, live, plan: CascadePlan, slot0
         lstart = shared[lreq]
         for col, val in enumerate((lreq, lkvh, lstart + l0 * bn, np.minimum(lstart + l1 * bn, lens[lreq]))):
             work[:, col] = val
-    work[:, 4] = np.arange(slot0, slot0 + lseg.size)
+    work[:, 4] = np.arange(slot0, slot0 + lseg.size, dtype=np.int32)
 
 
 def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, block_table_device) -> None:
@@ -247,7 +247,7 @@ def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, bloc
     ptr, members, lens, shared = plan.node_ptr, plan.node_members, plan.seq_lens_host, plan.shared_len_host
     sms = num_sms(plan.device)
     gp = 1 << max(0, (group - 1).bit_length())
-    sizes = np.diff(ptr)
+    sizes = ptr[1:] - ptr[:-1]
     ntok = plan.node_end - plan.node_start
     bm = choose_block_m(sizes * gp, ntok, gp, d)
     mpb = bm // gp
@@ -258,18 +258,18 @@ def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, bloc
     # --- node segments: (node, kv_head, row block), laid end to end; pieces cut stream-K
     nrb = -(-sizes // mpb)
     per_node = hkv * nrb
-    seg0 = np.cumsum(per_node) - per_node  # [K] each node's first segment
-    seg_node = np.repeat(np.arange(sizes.size), per_node)
+    seg0 = per_node.cumsum() - per_node  # [K] each node's first segment
+    seg_node = np.arange(sizes.size).repeat(per_node)
     seg_kvh, seg_rb = np.divmod(np.arange(seg_node.size) - seg0[seg_node], nrb[seg_node])
     seg, u0, u1, seg_ptr, nprog = cut_pieces((-(-ntok // nbn))[seg_node], gn)
     k, rb = seg_node[seg], seg_rb[seg]
     n_in = np.minimum(mpb, sizes[k] - rb * mpb)  # [Pn] members of the piece's row block
-    slot_base = np.cumsum(n_in) - n_in
+    slot_base = n_in.cumsum() - n_in
     n_node_slots = int(slot_base[-1] + n_in[-1])
     # --- leaves: (request, kv_head) private tails, decode pieces
-    live = np.flatnonzero(lens > shared)
+    live = (lens > shared).nonzero()[0]
     if live.size:
-        lseg, l0, l1, lseg_ptr, lprog = cut_pieces(np.repeat(-(-(lens[live] - shared[live]) // bn), hkv), gl)
+        lseg, l0, l1, lseg_ptr, lprog = cut_pieces((-(-(lens[live] - shared[live]) // bn)).repeat(hkv), gl)
     else:  # every request lies wholly in nodes
         lseg = l0 = l1 = np.zeros(0, np.int64)
         lseg_ptr, lprog = np.zeros(1, np.int64), np.zeros(gl + 1, np.int64)
@@ -295,21 +295,21 @@ def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, bloc
     # and a segment is usually one piece, so a list's node slots before level l are l, plus the
     # extra pieces of the cut segments above (at most one segment per level and list).
     level = plan.node_level
-    seg_pieces = np.diff(seg_ptr)
+    seg_pieces = seg_ptr[1:] - seg_ptr[:-1]
     extra = np.zeros((int(level.max()) + 1, bsz, hkv), dtype=np.int64)  # [L, B, Hkv]
-    cut = np.flatnonzero(seg_pieces > 1)
+    cut = (seg_pieces > 1).nonzero()[0]
     if cut.size:
         kc = seg_node[cut]
         lo = ptr[kc] + seg_rb[cut] * mpb
         n = np.minimum(ptr[kc + 1], lo + mpb) - lo  # members of the segment's row block
-        em = np.repeat(lo - np.cumsum(n) + n, n) + np.arange(int(n.sum()))  # their memberships
-        extra[np.repeat(level[kc], n), members[em], np.repeat(seg_kvh[cut], n)] = np.repeat(seg_pieces[cut] - 1, n)
+        em = (lo - n.cumsum() + n).repeat(n) + np.arange(int(n.sum()))  # their memberships
+        extra[level[kc].repeat(n), members[em], seg_kvh[cut].repeat(n)] = (seg_pieces[cut] - 1).repeat(n)
     count = extra.sum(axis=0)  # [B, Hkv]
     count += np.bincount(members, minlength=bsz)[:, None]
     if n_leaf == live.size * hkv:  # one piece per tail
         count += (lens > shared)[:, None]
     else:
-        count[live] += np.diff(lseg_ptr).reshape(live.size, hkv)
+        count[live] += (lseg_ptr[1:] - lseg_ptr[:-1]).reshape(live.size, hkv)
     req_ptr = h["req_ptr"]
     req_ptr[0] = 0
     np.cumsum(count, out=req_ptr[1:])
@@ -318,7 +318,7 @@ def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, bloc
     at[0] = req_ptr[:-1].reshape(bsz, hkv)
     for lv in range(1, at.shape[0]):
         at[lv] = at[lv - 1] + extra[lv - 1] + 1
-    at = at[np.repeat(level, sizes), members].reshape(-1)  # [M * Hkv]
+    at = at[level.repeat(sizes), members].reshape(-1)  # [M * Hkv]
     # node slots: member j of piece p's row block -> its list's slot for p's level + p's rank
     j = np.arange(mpb)
     pos = (mbase * hkv + kvh)[:, None] + j * hkv  # [Pn, mpb]
@@ -329,11 +329,11 @@ def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, bloc
     pos = at[pos]
     pos += rank
     slots = h["slots"]
-    slots[pos.reshape(-1)] = np.arange(n_node_slots)
+    slots[pos.reshape(-1)] = np.arange(n_node_slots, dtype=np.int32)
     # leaf slots: the last of each list, in piece order
     if n_leaf:
         last = req_ptr[1:].reshape(bsz, hkv)[live].reshape(-1) - lseg_ptr[1:]  # [live * Hkv]
-        slots[last[lseg] + np.arange(n_leaf)] = np.arange(n_node_slots, n_node_slots + n_leaf)
+        slots[last[lseg] + np.arange(n_leaf)] = np.arange(n_node_slots, n_node_slots + n_leaf, dtype=np.int32)
     plan.num_node_pieces, plan.num_leaf_pieces = int(seg.size), int(n_leaf)
     plan.num_slots = n_node_slots + int(n_leaf)
     plan.max_merge_len = int(count.max()) if count.size else 1
