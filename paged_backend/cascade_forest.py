@@ -4,7 +4,7 @@ Requests share their leading *full* blocks when those hold the same block ids (a
 last block is never shared). The forest is a compressed trie over the rows' full blocks, built top
 down, one vectorised pass per tree level (a loop over levels only: none over blocks or requests):
 
-1. rows whose first full block is held by another row are grouped by that block (one argsort of
+1. rows whose first full block is held by another row are grouped by that block (one sort of
    one column); a group of >= 2 rows is a node candidate starting at column ``c = 0``;
 2. each row of a group is compared against the group's *leader* (its smallest batch index),
    from ``c + 1`` on (:func:`lcp_with_leaders`): a probe row per group first, then the others
@@ -13,8 +13,8 @@ down, one vectorised pass per tree level (a loop over levels only: none over blo
    first mismatch (capped at both rows' full blocks) is the row's LCP with its leader, and the
    group's depth ``d`` is the smallest of them: every member holds the leader's ids on
    ``[c, d)``, compared id by id (no hashing, so nothing is shared on a collision);
-3. members with a block at column ``d`` are sub-grouped by it (a stable sort of (group, id)); a
-   sub-group of >= 2 rows is a child candidate starting at ``d``. The leader's own sub-group keeps
+3. members with a block at column ``d`` are sub-grouped by it (one sort of (group, id, row)
+   packed into an int64); a sub-group of >= 2 rows is a child candidate starting at ``d``. The leader's own sub-group keeps
    its leader and the LCPs already measured (no column is read twice); the others take a new leader.
 
 Nodes are folded by the cost model as they are produced (parents before children): a node's range
@@ -147,8 +147,9 @@ def _subgroups(gid, key: np.ndarray):
     n = key.size
     pb = (n - 1).bit_length()
     gb = int(gid[-1]).bit_length() if gid is not None else 0
-    lo = (-(1 << 31) if key.dtype.kind == "i" else 0) if key.dtype.itemsize <= 4 else int(key.min())
-    if gb + pb <= 31 and (key.dtype.itemsize <= 4 or int(key.max()) - lo < 1 << 32):
+    small = key.dtype.itemsize <= 4
+    lo = (-(1 << 31) if key.dtype.kind == "i" else 0) if small else int(key.min())
+    if gb + pb <= 31 and (small or (key.dtype.kind == "i" and int(key.max()) - lo < 1 << 32)):
         # (gid, key, position) in one int64: an unstable sort of distinct values keeps the order
         s = key.astype(np.int64)
         s -= lo
@@ -172,11 +173,12 @@ def _subgroups(gid, key: np.ndarray):
     keep[:-1] |= same
     head = keep.copy()  # a kept run's first row: kept, and not as the previous row
     np.greater(keep[1:], same, out=head[1:])
+    o = o[keep]
     starts = head[keep].nonzero()[0]
     sizes = np.empty_like(starts)
     sizes[:-1] = starts[1:] - starts[:-1]
-    sizes[-1:] = keep.sum() - starts[-1:]
-    return o[keep], starts, sizes
+    sizes[-1:] = o.size - starts[-1:]
+    return o, starts, sizes
 
 
 def auto_forest(table: np.ndarray, full: np.ndarray, pays):
