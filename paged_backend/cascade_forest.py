@@ -14,8 +14,9 @@ down, one vectorised pass per tree level (a loop over levels only: none over blo
    group's depth ``d`` is the smallest of them: every member holds the leader's ids on
    ``[c, d)``, compared id by id (no hashing, so nothing is shared on a collision);
 3. members with a block at column ``d`` are sub-grouped by it (one sort of (group, id, row)
-   packed into an int64); a sub-group of >= 2 rows is a child candidate starting at ``d``. The leader's own sub-group keeps
-   its leader and the LCPs already measured (no column is read twice); the others take a new leader.
+   packed into an int64); a sub-group of >= 2 rows is a child candidate starting at ``d``. The
+   leader's own sub-group keeps its leader and the LCPs already measured (no column is read
+   twice); the others take a new leader.
 
 Nodes are folded by the cost model as they are produced (parents before children): a node's range
 starts at its nearest *kept* ancestor's depth. ``auto_forest`` and ``group_forest`` return
