@@ -38,12 +38,11 @@ def _empty(bsz: int):
     return np.zeros(1, np.int64), z, z, z.copy(), z.copy(), np.zeros(bsz, np.int64)
 
 
-def _compare_block(table, rows, leads, c0: int, c1: int, neq: np.ndarray, out: np.ndarray) -> None:
+def _compare_block(table, rows, leads, c0: int, c1: int, out: np.ndarray) -> None:
     """``out[i]``: the offset from ``c0`` of the first column in ``[c0, c1)`` where ``table[rows[i]]``
-    and its leader's row differ, else ``c1 - c0``. ``leads``: one leader per row, or one int for
-    all (read once). ``neq [rows, c1 - c0 + 1]``: scratch whose last column is True, so argmax
-    needs no second look at the table to tell "none" from "at c0"."""
-    np.not_equal(table[rows, c0:c1], table[leads, c0:c1], out=neq[:, :-1])
+    and its leader's row differ, else 0 (as for a mismatch at ``c0``: the caller tells them apart).
+    ``leads``: one leader per row, or one int for all (its row read once)."""
+    neq = table[rows, c0:c1] != table[leads, c0:c1]  # a fresh (contiguous) mask is the fastest to write
     neq.argmax(axis=1, out=out)  # stops at a row's first mismatch
 
 
@@ -56,29 +55,29 @@ def _first_mismatch(table: np.ndarray, rows: np.ndarray, leads: np.ndarray, a: n
     differ much go in order of ``b``, so that a block's columns stay close to each of its rows' own."""
     n, lo, hi = rows.size, int(a.min()), int(b.max())
     first = np.empty(n, dtype=np.intp)
+    order = None
     if (hi - lo) * n <= 1.25 * total:  # about one range: compare all rows over it
-        one = leads[0] == leads[-1] and bool((leads == leads[0]).all())  # one leader: its row broadcast
+        if leads[0] == leads[-1] and (leads == leads[0]).all():
+            leads = int(leads[0])  # one leader: its row read once, broadcast
         step = max(1, _BLOCK // (hi - lo))
-        neq = np.empty((min(step, n), hi - lo + 1), dtype=bool)
-        neq[:, -1] = True
         for i in range(0, n, step):
-            _compare_block(table, rows[i:i + step], int(leads[0]) if one else leads[i:i + step], lo, hi,
-                           neq[:min(step, n - i)], first[i:i + step])
+            _compare_block(table, rows[i:i + step], leads if isinstance(leads, int) else leads[i:i + step],
+                           lo, hi, first[i:i + step])
         first += lo
-        return np.minimum(first, b, out=first)
-    order = np.argsort(b, kind="stable")
-    rows, leads, a, b = rows[order], leads[order], a[order], b[order]
-    cum = np.cumsum(b - a)
-    edges = np.unique(np.searchsorted(cum, np.arange(0, total, _BLOCK), side="right").tolist() + [0, n])
-    x0, x1 = np.minimum.reduceat(a, edges[:-1]), b[edges[1:] - 1]  # each block's columns
-    edges = edges.tolist()
-    for i0, i1, c0, c1 in zip(edges[:-1], edges[1:], x0.tolist(), x1.tolist()):
-        neq = np.empty((i1 - i0, c1 - c0 + 1), dtype=bool)
-        neq[:, -1] = True
-        _compare_block(table, rows[i0:i1], leads[i0:i1], c0, c1, neq, first[i0:i1])
-    first += np.repeat(x0, np.diff(edges))
-    out = np.empty(n, dtype=np.intp)
-    out[order] = np.minimum(first, b)
+    else:
+        order = np.argsort(b, kind="stable")
+        rows, leads, a, b = rows[order], leads[order], a[order], b[order]
+        cum = np.cumsum(b - a)
+        edges = np.unique(np.searchsorted(cum, np.arange(0, total, _BLOCK), side="right").tolist() + [0, n])
+        x0, x1 = np.minimum.reduceat(a, edges[:-1]), b[edges[1:] - 1]  # each block's columns
+        edges = edges.tolist()
+        for i0, i1, c0, c1 in zip(edges[:-1], edges[1:], x0.tolist(), x1.tolist()):
+            _compare_block(table, rows[i0:i1], leads[i0:i1], c0, c1, first[i0:i1])
+        first += np.repeat(x0, np.diff(edges))
+    # argmax also names a block's first column where a row has no mismatch: equal there, it has none
+    out = np.where((first < b) & (table[rows, first] != table[leads, first]), first, b)
+    if order is not None:
+        out[order] = out.copy()
     return out
 
 
