@@ -4,7 +4,7 @@ Requests share their leading *full* blocks when those hold the same block ids (a
 last block is never shared). The forest is a compressed trie over the rows' full blocks, built top
 down, one vectorised pass per tree level (a loop over levels only: none over blocks or requests):
 
-1. rows whose first full block is held by another row are grouped by that block (one argsort of
+1. rows whose first full block is held by another row are grouped by that block (one sort of
    one column); a group of >= 2 rows is a node candidate starting at column ``c = 0``;
 2. each row of a group is compared against the group's *leader* (its smallest batch index),
    from ``c + 1`` on (:func:`lcp_with_leaders`): a probe row per group first, then the others
@@ -13,14 +13,16 @@ down, one vectorised pass per tree level (a loop over levels only: none over blo
    first mismatch (capped at both rows' full blocks) is the row's LCP with its leader, and the
    group's depth ``d`` is the smallest of them: every member holds the leader's ids on
    ``[c, d)``, compared id by id (no hashing, so nothing is shared on a collision);
-3. members with a block at column ``d`` are sub-grouped by it (a stable sort of (group, id)); a
-   sub-group of >= 2 rows is a child candidate starting at ``d``. The leader's own sub-group keeps
-   its leader and the LCPs already measured (no column is read twice); the others take a new leader.
+3. members with a block at column ``d`` are sub-grouped by it (one sort of (group, id, row)
+   packed into an int64); a sub-group of >= 2 rows is a child candidate starting at ``d``. The
+   leader's own sub-group keeps its leader and the LCPs already measured (no column is read
+   twice); the others take a new leader.
 
 Nodes are folded by the cost model as they are produced (parents before children): a node's range
 starts at its nearest *kept* ancestor's depth. ``auto_forest`` and ``group_forest`` return
-``(members CSR ptr, members, start blk, end blk, kept depth per request)``; nodes are parents first
-and each node's members are ascending batch indices.
+``(members CSR ptr, members, start blk, end blk, level, kept depth per request)``, a node's level
+being its kept ancestors (its place in each member's chain); nodes are parents first and each
+node's members are ascending batch indices.
 """
 from __future__ import annotations
 
@@ -33,33 +35,46 @@ _SPAN_MAX = 1 << 17   # ids below which rows read their whole range in one pass 
 
 def _empty(bsz: int):
     z = np.zeros(0, np.int64)
-    return np.zeros(1, np.int64), z, z, z.copy(), np.zeros(bsz, np.int64)
+    return np.zeros(1, np.int64), z, z, z.copy(), z.copy(), np.zeros(bsz, np.int64)
+
+
+def _compare_block(table, rows, leads, c0: int, c1: int, out: np.ndarray) -> None:
+    """``out[i]``: the offset from ``c0`` of the first column in ``[c0, c1)`` where ``table[rows[i]]``
+    and its leader's row differ, else 0 (as for a mismatch at ``c0``: the caller tells them apart).
+    ``leads``: one leader per row, or one int for all (its row read once)."""
+    neq = table[rows, c0:c1] != table[leads, c0:c1]  # a fresh (contiguous) mask is the fastest to write
+    neq.argmax(axis=1, out=out)  # stops at a row's first mismatch
 
 
 def _first_mismatch(table: np.ndarray, rows: np.ndarray, leads: np.ndarray, a: np.ndarray,
-                    b: np.ndarray) -> np.ndarray:
+                    b: np.ndarray, total: int) -> np.ndarray:
     """Per row: the first column in ``[a[i], b[i])`` where ``table[rows[i]]`` and
-    ``table[leads[i]]`` differ, else ``b[i]``. Row blocks of ~_BLOCK ids, each row read as one
-    contiguous span of its block's columns; rows whose ranges differ much go in order of ``b``, so
-    that a block's columns stay close to each of its rows' own."""
+    ``table[leads[i]]`` differ, else ``b[i]``; ``total``: the sum of ``b - a``. Columns before
+    ``a[i]`` must be known equal (a row block reads from its rows' smallest ``a``). Row blocks of
+    ~_BLOCK ids, each row read as one contiguous span of its block's columns; rows whose ranges
+    differ much go in order of ``b``, so that a block's columns stay close to each of its rows' own."""
     n, lo, hi = rows.size, int(a.min()), int(b.max())
+    first = np.empty(n, dtype=np.intp)
     order = None
-    if (hi - lo) * n <= 1.25 * float((b - a).sum()):  # about one range: compare all rows over it
+    if (hi - lo) * n <= 1.25 * total:  # about one range: compare all rows over it
+        if leads[0] == leads[-1] and (leads == leads[0]).all():
+            leads = int(leads[0])  # one leader: its row read once, broadcast
         step = max(1, _BLOCK // (hi - lo))
-        edges = list(range(0, n, step)) + [n]
-        x0, x1 = [lo] * len(edges), [hi] * len(edges)
+        for i in range(0, n, step):
+            _compare_block(table, rows[i:i + step], leads if isinstance(leads, int) else leads[i:i + step],
+                           lo, hi, first[i:i + step])
+        first += lo
     else:
         order = np.argsort(b, kind="stable")
         rows, leads, a, b = rows[order], leads[order], a[order], b[order]
         cum = np.cumsum(b - a)
-        edges = np.unique(np.searchsorted(cum, np.arange(0, int(cum[-1]), _BLOCK), side="right").tolist() + [0, n])
+        edges = np.unique(np.searchsorted(cum, np.arange(0, total, _BLOCK), side="right").tolist() + [0, n])
         x0, x1 = np.minimum.reduceat(a, edges[:-1]), b[edges[1:] - 1]  # each block's columns
-        edges, x0, x1 = edges.tolist(), x0.tolist(), x1.tolist()
-    first = np.empty(n, dtype=np.intp)
-    for i0, i1, c0, c1 in zip(edges[:-1], edges[1:], x0, x1):
-        neq = table[rows[i0:i1], c0:c1] != table[leads[i0:i1], c0:c1]
-        neq.argmax(axis=1, out=first[i0:i1])  # stops at a row's first mismatch
-    first += lo if order is None else np.repeat(x0, np.diff(edges))
+        edges = edges.tolist()
+        for i0, i1, c0, c1 in zip(edges[:-1], edges[1:], x0.tolist(), x1.tolist()):
+            _compare_block(table, rows[i0:i1], leads[i0:i1], c0, c1, first[i0:i1])
+        first += np.repeat(x0, np.diff(edges))
+    # argmax also names a block's first column where a row has no mismatch: equal there, it has none
     out = np.where((first < b) & (table[rows, first] != table[leads, first]), first, b)
     if order is not None:
         out[order] = out.copy()
@@ -78,115 +93,153 @@ def lcp_with_leaders(table: np.ndarray, rows: np.ndarray, leads: np.ndarray, sta
     likely ends, at least _CHUNK0 columns), and the rows that match all of it go on the same way.
     Rows that each have their own leader scan in chunks of 64, 256, 1024, ... columns. A run whose
     probe shares far more than its other rows reads past their LCPs (at worst up to the probe's)."""
-    cap = np.asarray(cap, dtype=np.int64)
+    start, cap = np.asarray(start, dtype=np.int64), np.asarray(cap, dtype=np.int64)
+    todo = (cap > start).nonzero()[0]
+    if todo.size == cap.size:
+        return _lcp(table, rows, leads, start, cap)
     e = cap.copy()
-    todo = np.flatnonzero(cap > start)
-    if not todo.size:
-        return e
-    r0, c = start[todo], cap[todo]
-    if int((c - r0).sum()) <= _SPAN_MAX:
-        e[todo] = _first_mismatch(table, rows[todo], leads[todo], r0, c)
-        return e
-    lt = leads[todo]
-    new = np.ones(todo.size, dtype=bool)
-    np.not_equal(lt[1:], lt[:-1], out=new[1:])
-    rs = np.flatnonzero(new)
-    if rs.size == todo.size:  # every row has its own leader: chunks
-        w = _CHUNK0
-        while todo.size:
-            end = np.minimum(r0 + w, c)
-            f = _first_mismatch(table, rows[todo], leads[todo], r0, end)
-            go = (f == end) & (end < c)
-            e[todo] = f
-            todo, r0, c, w = todo[go], end[go], c[go], 4 * w
-        return e
-    mid = (rs + np.append(rs[1:], todo.size)) // 2
-    probe = todo[mid]
-    e[probe] = lcp_with_leaders(table, rows[probe], leads[probe], start[probe], cap[probe])
-    others = np.ones(todo.size, dtype=bool)
-    others[mid] = False
-    rest, r0 = todo[others], r0[others]
-    bound = np.minimum(np.maximum(e[probe][(np.cumsum(new) - 1)[others]] + 1, r0 + _CHUNK0), cap[rest])
-    e[rest] = f = _first_mismatch(table, rows[rest], leads[rest], r0, bound)
-    more = (f == bound) & (bound < cap[rest])  # matched all of their span: go on from its end
-    m = rest[more]
-    e[m] = lcp_with_leaders(table, rows[m], leads[m], bound[more], cap[m])
+    if todo.size:
+        e[todo] = _lcp(table, rows[todo], leads[todo], start[todo], cap[todo])
     return e
 
 
-def _subgroups(rows: np.ndarray, gid: np.ndarray, key: np.ndarray):
-    """Runs of equal (gid, key) with >= 2 rows, stable (rows keep their order) -> (positions into
-    the inputs, sub-group id per kept position, sub-group starts)."""
-    if np.can_cast(key.dtype, np.int32) and gid.size and int(gid[-1]) < (1 << 30):  # gid ascends
-        o = np.argsort((gid << 32) + (key.astype(np.int64) + (1 << 31)), kind="stable")
+def _lcp(table, rows, leads, a, b):
+    """``lcp_with_leaders`` of rows whose ranges ``[a, b)`` are not empty."""
+    total = int((b - a).sum())
+    if total <= _SPAN_MAX:
+        return _first_mismatch(table, rows, leads, a, b, total)
+    new = np.empty(rows.size, dtype=bool)
+    new[0] = True
+    np.not_equal(leads[1:], leads[:-1], out=new[1:])
+    rs = new.nonzero()[0]  # each run's first row
+    if rs.size == rows.size:  # every row has its own leader: chunks
+        e = b.copy()
+        todo, w = np.arange(rows.size), _CHUNK0
+        while todo.size:
+            end = np.minimum(a + w, b)
+            e[todo] = f = _first_mismatch(table, rows, leads, a, end, int((end - a).sum()))
+            go = ((f == end) & (end < b)).nonzero()[0]
+            todo, rows, leads, a, b, w = todo[go], rows[go], leads[go], end[go], b[go], 4 * w
+        return e
+    runs = np.empty_like(rs)
+    runs[:-1] = rs[1:] - rs[:-1]
+    runs[-1] = rows.size - rs[-1]
+    mid = rs + runs // 2
+    e = np.empty(rows.size, dtype=np.int64)
+    e[mid] = pe = _lcp(table, rows[mid], leads[mid], a[mid], b[mid])
+    new[:] = True
+    new[mid] = False
+    rest = new.nonzero()[0]  # the others, runs - 1 of each run
+    ar, br = a[rest], b[rest]
+    bound = np.minimum(np.maximum(pe.repeat(runs - 1) + 1, ar + _CHUNK0), br)
+    f = _first_mismatch(table, rows[rest], leads[rest], ar, bound, int((bound - ar).sum()))
+    more = ((f == bound) & (bound < br)).nonzero()[0]  # matched all of their span: go on from its end
+    if more.size:
+        m = rest[more]
+        f[more] = _lcp(table, rows[m], leads[m], bound[more], br[more])
+    e[rest] = f
+    return e
+
+
+def _subgroups(gid, key: np.ndarray):
+    """Runs of equal (gid, key) with >= 2 rows, stable (rows keep their order); ``gid`` ascends
+    (None: one group). -> (positions into the inputs, sub-group starts, sub-group sizes)."""
+    n = key.size
+    pb = (n - 1).bit_length()
+    gb = int(gid[-1]).bit_length() if gid is not None else 0
+    small = key.dtype.itemsize <= 4
+    lo = (-(1 << 31) if key.dtype.kind == "i" else 0) if small else int(key.min())
+    if gb + pb <= 31 and (small or (key.dtype.kind == "i" and int(key.max()) - lo < 1 << 32)):
+        # (gid, key, position) in one int64: an unstable sort of distinct values keeps the order
+        s = key.astype(np.int64)
+        s -= lo
+        s <<= pb
+        s |= np.arange(n)
+        if gid is not None:
+            s |= gid << (32 + pb)
+        s.sort()
+        o = s & ((1 << pb) - 1)
+        s >>= pb
+        same = s[1:] == s[:-1]  # [n - 1] as the previous row
     else:
-        o = np.lexsort((key, gid))
-    g, k = gid[o], key[o]
-    new = np.ones(o.size, dtype=bool)
-    new[1:] = (g[1:] != g[:-1]) | (k[1:] != k[:-1])
-    rid = np.cumsum(new) - 1
-    size = np.bincount(rid)
-    keep = size[rid] >= 2
-    o, rid = o[keep], rid[keep]
-    new = np.ones(o.size, dtype=bool)
-    new[1:] = rid[1:] != rid[:-1]
-    return o, np.cumsum(new) - 1, np.flatnonzero(new)
+        o = key.argsort(kind="stable") if gid is None else np.lexsort((key, gid))
+        k = key[o]
+        same = k[1:] == k[:-1]
+        if gid is not None:
+            g = gid[o]
+            same &= g[1:] == g[:-1]
+    keep = np.zeros(n, dtype=bool)
+    keep[1:] = same
+    keep[:-1] |= same
+    head = keep.copy()  # a kept run's first row: kept, and not as the previous row
+    np.greater(keep[1:], same, out=head[1:])
+    o = o[keep]
+    starts = head[keep].nonzero()[0]
+    sizes = np.empty_like(starts)
+    sizes[:-1] = starts[1:] - starts[:-1]
+    sizes[-1:] = o.size - starts[-1:]
+    return o, starts, sizes
 
 
 def auto_forest(table: np.ndarray, full: np.ndarray, pays):
     """The prefix forest of ``table``'s rows over their first ``full`` blocks, folded by ``pays``."""
     bsz = full.size
-    cand = np.flatnonzero(full > 0)
+    cand = (full > 0).nonzero()[0]
     if cand.size < 2:
         return _empty(bsz)
     # level 0: group by the first block (cand is ascending, the sort is stable)
-    o, gid, gstart = _subgroups(cand, np.zeros(cand.size, np.int64), table[cand, 0])
+    o, gstart, n = _subgroups(None, table[cand, 0])
     if not gstart.size:
         return _empty(bsz)  # no two rows share a first block: flat, without reading further
     rows = cand[o]
-    c = np.zeros(gstart.size, dtype=np.int64)   # first column of each group's own range
-    e = np.full(rows.size, -1, dtype=np.int64)  # LCP with the group's leader, -1: not measured
+    gid = np.arange(gstart.size).repeat(n)  # [R] each row's group
+    c = np.zeros(gstart.size, dtype=np.int64)   # [G] first column of each group's own range
+    e = np.full(rows.size, -1, dtype=np.int64)  # [R] LCP with the group's leader, -1: not measured
     kd = np.zeros(bsz, dtype=np.int64)           # kept depth per request
+    kc = np.zeros(bsz, dtype=np.int64)           # kept nodes per request
     fr = full[rows]
-    ptr_parts, mem_parts, start_parts, end_parts = [], [], [], []
-    while gstart.size:
-        lead = rows[gstart]
-        e[gstart] = fr[gstart]
-        t = np.flatnonzero(e < 0)
+    ptr_parts, mem_parts, start_parts, end_parts, level_parts = [], [], [], [], []
+    while True:
+        lead, flead = rows[gstart], fr[gstart]
+        e[gstart] = flead
+        t = (e < 0).nonzero()[0]
         if t.size:
-            lt = lead[gid[t]]
-            e[t] = lcp_with_leaders(table, rows[t], lt, c[gid[t]] + 1, np.minimum(fr[t], full[lt]))
+            g = gid[t]
+            e[t] = lcp_with_leaders(table, rows[t], lead[g], c[g] + 1, np.minimum(fr[t], flead[g]))
         d = np.minimum.reduceat(e, gstart)
-        n = np.diff(np.append(gstart, rows.size))
+        dg = d[gid]
         pk = kd[lead]
         keep = pays(n, d - pk)
         if keep.any():
             el = keep[gid]
-            kd[rows[el]] = d[gid[el]]
+            m = rows[el]
+            kd[m] = dg[el]
             ptr_parts.append(n[keep])
-            mem_parts.append(rows[el])
+            mem_parts.append(m)
             start_parts.append(pk[keep])
             end_parts.append(d[keep])
+            level_parts.append(kc[lead[keep]])
+            kc[m] += 1
         # children: members with a block at their group's depth, sub-grouped by it
-        dg = d[gid]
-        live = np.flatnonzero(fr > dg)
+        live = (fr > dg).nonzero()[0]
         if live.size < 2:
             break
-        o, sub, gstart = _subgroups(rows[live], gid[live], table[rows[live], dg[live]])
+        rl = rows[live]
+        o, gstart, n = _subgroups(gid[live], table[rl, dg[live]])
         if not gstart.size:
             break
         p = live[o]
-        c = d[gid[p[gstart]]]
-        keep_e = e[p] > dg[p]  # in the leader's sub-group: the measured LCP stays valid
-        rows, gid, fr = rows[p], sub, fr[p]
-        e = np.where(keep_e, e[p], -1)
+        rows, fr, ep, dp = rl[o], fr[p], e[p], dg[p]
+        c = dp[gstart]
+        gid = np.arange(gstart.size).repeat(n)
+        e = np.where(ep > dp, ep, -1)  # in the leader's sub-group: the measured LCP stays valid
     if not ptr_parts:
-        return _empty(bsz)[:4] + (kd,)
+        return _empty(bsz)[:5] + (kd,)
     sizes = np.concatenate(ptr_parts)
     ptr = np.zeros(sizes.size + 1, dtype=np.int64)
     np.cumsum(sizes, out=ptr[1:])
     return (ptr, np.concatenate(mem_parts), np.concatenate(start_parts).astype(np.int64),
-            np.concatenate(end_parts).astype(np.int64), kd)
+            np.concatenate(end_parts).astype(np.int64), np.concatenate(level_parts), kd)
 
 
 def group_forest(table: np.ndarray, full: np.ndarray, groups, pays):
@@ -208,7 +261,8 @@ def group_forest(table: np.ndarray, full: np.ndarray, groups, pays):
         gs.append(arr)
     owner = np.full(bsz, -1, dtype=np.int64)
     kd = np.zeros(bsz, dtype=np.int64)
-    ptr, members, starts, ends = [0], [], [], []
+    kc = np.zeros(bsz, dtype=np.int64)  # kept nodes per request
+    ptr, members, starts, ends, levels = [0], [], [], [], []
     for gi in sorted(range(len(gs)), key=lambda i: -gs[i].size):  # parents before children
         g = gs[gi]
         if g.size == 0:
@@ -230,7 +284,9 @@ def group_forest(table: np.ndarray, full: np.ndarray, groups, pays):
         ptr.append(ptr[-1] + g.size)
         starts.append(pk)
         ends.append(depth)
+        levels.append(int(kc[g[0]]))
+        kc[g] += 1
     if not members:
-        return _empty(bsz)[:4] + (kd,)
+        return _empty(bsz)[:5] + (kd,)
     return (np.asarray(ptr, np.int64), np.concatenate(members), np.asarray(starts, np.int64),
-            np.asarray(ends, np.int64), kd)
+            np.asarray(ends, np.int64), np.asarray(levels, np.int64), kd)

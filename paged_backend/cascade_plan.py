@@ -102,6 +102,7 @@ class CascadePlan:
     node_members: np.ndarray = field(repr=False)        # batch indices
     node_start: np.ndarray = field(repr=False)          # [K] token range of each kept node
     node_end: np.ndarray = field(repr=False)
+    node_level: np.ndarray = field(repr=False)          # [K] kept ancestors: the place in each member's list
     block_table_host: np.ndarray = field(repr=False)    # [B, cols] int32 (cols = blocks in use)
     max_block_id: int = -1
     block_m: int = 16
@@ -156,13 +157,13 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
         return (n >= 2) & (own_blocks > 0) & (saved > n * cost.state_passes * state_bytes + cost.node_fixed_bytes)
 
     if groups is None:
-        ptr, members, nstart, nend, kd = auto_forest(table, full, pays)
+        ptr, members, nstart, nend, level, kd = auto_forest(table, full, pays)
     else:
-        ptr, members, nstart, nend, kd = group_forest(table, full, groups, pays)
+        ptr, members, nstart, nend, level, kd = group_forest(table, full, groups, pays)
     sizes = np.diff(ptr)
     saved_total = float(((sizes - 1) * (nend - nstart)).sum()) * bs * kv_tok
     if sizes.size and saved_total < cost.min_total_bytes:
-        ptr, members, nstart, nend = ptr[:1], members[:0], nstart[:0], nend[:0]
+        ptr, members, nstart, nend, level = ptr[:1], members[:0], nstart[:0], nend[:0], level[:0]
         kd = np.zeros(bsz, dtype=np.int64)
     # a view (copied once into the device buffer); at least one column so the views stay 2-D
     bt_host = table[:, :cols_used] if cols_used else np.zeros((bsz, 1), dtype=np.int32)
@@ -175,8 +176,8 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
             raise ValueError(f"block_table_cpu holds negative block ids in its used entries (min {int(ids.min())})")
     plan = CascadePlan(batch_size=bsz, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device=device,
                        seq_lens_host=lens, shared_len_host=kd * bs, node_ptr=ptr, node_members=members,
-                       node_start=nstart * bs, node_end=nend * bs, block_table_host=bt_host, max_block_id=max_id,
-                       block_n=block_n_for(d) // 2, node_block_n=64 if d <= 128 else 32)
+                       node_start=nstart * bs, node_end=nend * bs, node_level=level, block_table_host=bt_host,
+                       max_block_id=max_id, block_n=block_n_for(d) // 2, node_block_n=64 if d <= 128 else 32)
     if plan.is_flat:
         plan.flat_plan = plan_decode(lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                      device=device, num_programs=leaf_programs)
@@ -224,43 +225,23 @@ def _divmod(x: np.ndarray, n: int):
     return np.divmod(x, n)
 
 
-def _chain_place(members: np.ndarray, bsz: int) -> np.ndarray:
-    """Per membership: how many earlier nodes (parents first) hold the same request."""
-    om = np.argsort(members.astype(np.uint16) if bsz <= 1 << 16 else members, kind="stable")  # radix
-    rs = members[om]
-    idx = np.arange(rs.size)
-    new = np.ones(rs.size, dtype=bool)
-    np.not_equal(rs[1:], rs[:-1], out=new[1:])
-    place = np.empty(rs.size, dtype=np.int64)
-    place[om] = idx - np.maximum.accumulate(np.where(new, idx, 0))
-    return place
-
-
-def _node_pieces_before(plan: CascadePlan, seg_pieces, seg0, nrb, mpb: int):
-    """Node pieces of each request's merge list: -> (per (membership, kv_head) those of the
-    request's earlier nodes [M * Hkv], per (request, kv_head) all of them [B * Hkv]). A node's
-    segment usually is one piece, so each earlier node counts one; the few segments cut into
-    several pieces then add their extra pieces to their members' totals and later nodes."""
-    hkv, bsz, ptr, members = plan.num_kv_heads, plan.batch_size, plan.node_ptr, plan.node_members
-    place = _chain_place(members, bsz)
-    before = np.repeat(place, hkv)
-    count = np.repeat(np.bincount(members, minlength=bsz), hkv)
-    cut = np.flatnonzero(seg_pieces > 1)  # (node, kv_head, row block) segments of several pieces
-    if cut.size:
-        k = np.searchsorted(seg0, cut, side="right") - 1
-        h, rb = np.divmod(cut - seg0[k], nrb[k])
-        lo = ptr[k] + rb * mpb
-        n = np.minimum(ptr[k + 1], lo + mpb) - lo  # members of the row block
-        em = np.repeat(lo - np.cumsum(n) + n, n) + np.arange(int(n.sum()))  # their memberships
-        eh, x = np.repeat(h, n), np.repeat(seg_pieces[cut] - 1, n)
-        count += np.bincount(members[em] * hkv + eh, weights=x, minlength=count.size).astype(np.int64)
-        later = np.full((bsz, int(place.max()) + 1), -1, dtype=np.int64)  # [B, depth] membership per place
-        later[members, place] = np.arange(members.size)
-        tgt = later[members[em]]
-        ok = (tgt >= 0) & (np.arange(later.shape[1]) > place[em][:, None])
-        before += np.bincount((tgt * hkv + eh[:, None])[ok], weights=np.broadcast_to(x[:, None], tgt.shape)[ok],
-                              minlength=before.size).astype(np.int64)
-    return before, count
+def _write_leaves(work: np.ndarray, lseg, l0, l1, live, plan: CascadePlan, slot0: int) -> None:
+    """Tail pieces -> ``work [P, 5]`` rows (request, kv_head, token_start, token_end, slot); the
+    pieces of segment ``(live[i], kv_head)`` cover its tiles ``[l0, l1)``."""
+    hkv, bn, shared, lens = plan.num_kv_heads, plan.block_n, plan.shared_len_host, plan.seq_lens_host
+    if lseg.size == live.size * hkv:  # one piece per segment: its whole tail
+        w = work.reshape(live.size, hkv, LEAF_FIELDS)
+        w[:, :, 0] = live[:, None]
+        w[:, :, 1] = np.arange(hkv)
+        w[:, :, 2] = shared[live][:, None]
+        w[:, :, 3] = lens[live][:, None]
+    else:
+        lq, lkvh = _divmod(lseg, hkv)
+        lreq = live[lq]
+        lstart = shared[lreq]
+        for col, val in enumerate((lreq, lkvh, lstart + l0 * bn, np.minimum(lstart + l1 * bn, lens[lreq]))):
+            work[:, col] = val
+    work[:, 4] = np.arange(slot0, slot0 + lseg.size, dtype=np.int32)
 
 
 def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, block_table_device) -> None:
@@ -268,7 +249,7 @@ def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, bloc
     ptr, members, lens, shared = plan.node_ptr, plan.node_members, plan.seq_lens_host, plan.shared_len_host
     sms = num_sms(plan.device)
     gp = 1 << max(0, (group - 1).bit_length())
-    sizes = np.diff(ptr)
+    sizes = ptr[1:] - ptr[:-1]
     ntok = plan.node_end - plan.node_start
     bm = choose_block_m(sizes * gp, ntok, gp, d)
     mpb = bm // gp
@@ -279,18 +260,18 @@ def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, bloc
     # --- node segments: (node, kv_head, row block), laid end to end; pieces cut stream-K
     nrb = -(-sizes // mpb)
     per_node = hkv * nrb
-    seg0 = np.cumsum(per_node) - per_node  # [K] each node's first segment
-    seg_node = np.repeat(np.arange(sizes.size), per_node)
+    seg0 = per_node.cumsum() - per_node  # [K] each node's first segment
+    seg_node = np.arange(sizes.size).repeat(per_node)
     seg_kvh, seg_rb = np.divmod(np.arange(seg_node.size) - seg0[seg_node], nrb[seg_node])
     seg, u0, u1, seg_ptr, nprog = cut_pieces((-(-ntok // nbn))[seg_node], gn)
     k, rb = seg_node[seg], seg_rb[seg]
     n_in = np.minimum(mpb, sizes[k] - rb * mpb)  # [Pn] members of the piece's row block
-    slot_base = np.cumsum(n_in) - n_in
+    slot_base = n_in.cumsum() - n_in
     n_node_slots = int(slot_base[-1] + n_in[-1])
     # --- leaves: (request, kv_head) private tails, decode pieces
-    live = np.flatnonzero(lens > shared)
+    live = (lens > shared).nonzero()[0]
     if live.size:
-        lseg, l0, l1, lseg_ptr, lprog = cut_pieces(np.repeat(-(-(lens[live] - shared[live]) // bn), hkv), gl)
+        lseg, l0, l1, lseg_ptr, lprog = cut_pieces((-(-(lens[live] - shared[live]) // bn)).repeat(hkv), gl)
     else:  # every request lies wholly in nodes
         lseg = l0 = l1 = np.zeros(0, np.int64)
         lseg_ptr, lprog = np.zeros(1, np.int64), np.zeros(gl + 1, np.int64)
@@ -307,47 +288,54 @@ def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, bloc
                                np.minimum(t0 + u1 * nbn, plan.node_end[k]), slot_base)):
         work[:, col] = val
     h["node_prog_ptr"][:] = nprog
-    lq, lkvh = _divmod(lseg, hkv)
-    lreq = live[lq]
-    lstart = shared[lreq]
-    work = h["leaf_work"].reshape(-1, LEAF_FIELDS)
-    l0 *= bn
-    l0 += lstart
-    l1 *= bn
-    l1 += lstart
-    for col, val in enumerate((lreq, lkvh, l0, np.minimum(l1, lens[lreq], out=l1),
-                               np.arange(n_node_slots, n_node_slots + n_leaf))):
-        work[:, col] = val
+    _write_leaves(h["leaf_work"].reshape(-1, LEAF_FIELDS), lseg, l0, l1, live, plan, n_node_slots)
     h["leaf_prog_ptr"][:] = lprog
     h["members"][:] = members
     h["seq_lens"][:] = lens
     # --- merge lists, CSR over (request, kv_head): its node slots (parents first, each node's
-    # pieces in token order), then its tail's. Slots ascend along every list, so each slot's
-    # place is counted: the list's start + the pieces before it (no sort over the slots).
-    seg_pieces = np.diff(seg_ptr)
-    before, node_count = _node_pieces_before(plan, seg_pieces, seg0, nrb, mpb)
-    key = (live[:, None] * hkv + np.arange(hkv)).ravel()  # each leaf segment's list
-    count = node_count.copy()
-    count[key] += np.diff(lseg_ptr)
+    # pieces in token order), then its tail's. A node's level is its place in each member's list
+    # and a segment is usually one piece, so a list's node slots before level l are l, plus the
+    # extra pieces of the cut segments above (at most one segment per level and list).
+    level = plan.node_level
+    seg_pieces = seg_ptr[1:] - seg_ptr[:-1]
+    extra = np.zeros((int(level.max()) + 1, bsz, hkv), dtype=np.int64)  # [L, B, Hkv]
+    cut = (seg_pieces > 1).nonzero()[0]
+    if cut.size:
+        kc = seg_node[cut]
+        lo = ptr[kc] + seg_rb[cut] * mpb
+        n = np.minimum(ptr[kc + 1], lo + mpb) - lo  # members of the segment's row block
+        em = (lo - n.cumsum() + n).repeat(n) + np.arange(int(n.sum()))  # their memberships
+        extra[level[kc].repeat(n), members[em], seg_kvh[cut].repeat(n)] = (seg_pieces[cut] - 1).repeat(n)
+    count = extra.sum(axis=0)  # [B, Hkv]
+    count += np.bincount(members, minlength=bsz)[:, None]
+    if n_leaf == live.size * hkv:  # one piece per tail
+        count += (lens > shared)[:, None]
+    else:
+        count[live] += (lseg_ptr[1:] - lseg_ptr[:-1]).reshape(live.size, hkv)
     req_ptr = h["req_ptr"]
     req_ptr[0] = 0
     np.cumsum(count, out=req_ptr[1:])
-    slots = h["slots"]
-    # node slots: member j of piece p's row block -> list start + earlier nodes' pieces + p's rank
-    base = req_ptr[(members[:, None] * hkv + np.arange(hkv)).ravel()] + before  # [M * Hkv]
+    # each level's first node slot in each list, then per (membership, kv_head)
+    at = np.empty_like(extra)
+    at[0] = req_ptr[:-1].reshape(bsz, hkv)
+    for lv in range(1, at.shape[0]):
+        at[lv] = at[lv - 1] + extra[lv - 1] + 1
+    at = at[level.repeat(sizes), members].reshape(-1)  # [M * Hkv]
+    # node slots: member j of piece p's row block -> its list's slot for p's level + p's rank
     j = np.arange(mpb)
-    at = (mbase * hkv + kvh)[:, None] + j * hkv  # [Pn, mpb]
-    val = slot_base[:, None] + j
+    pos = (mbase * hkv + kvh)[:, None] + j * hkv  # [Pn, mpb]
     rank = (np.arange(seg.size) - seg_ptr[seg])[:, None]
     if int(n_in.min()) < mpb:  # partial row blocks
         full = j < n_in[:, None]
-        at, val, rank = at[full], val[full], np.broadcast_to(rank, full.shape)[full]
-    pos = base[at]
+        pos, rank = pos[full], np.broadcast_to(rank, full.shape)[full]
+    pos = at[pos]
     pos += rank
-    slots[pos.ravel()] = val.ravel()
-    # leaf slots: after the list's node slots, in piece order
-    first = req_ptr[key] + node_count[key] - lseg_ptr[:-1]
-    slots[first[lseg] + np.arange(n_leaf)] = np.arange(n_node_slots, n_node_slots + n_leaf)
+    slots = h["slots"]
+    slots[pos.reshape(-1)] = np.arange(n_node_slots, dtype=np.int32)
+    # leaf slots: the last of each list, in piece order
+    if n_leaf:
+        last = req_ptr[1:].reshape(bsz, hkv)[live].reshape(-1) - lseg_ptr[1:]  # [live * Hkv]
+        slots[last[lseg] + np.arange(n_leaf)] = np.arange(n_node_slots, n_node_slots + n_leaf, dtype=np.int32)
     plan.num_node_pieces, plan.num_leaf_pieces = int(seg.size), int(n_leaf)
     plan.num_slots = n_node_slots + int(n_leaf)
     plan.max_merge_len = int(count.max()) if count.size else 1

@@ -152,6 +152,9 @@ def cut_pieces(seg_units: np.ndarray, grid: int, mode: str = "stream_k"):
     """
     seg_units = np.asarray(seg_units, dtype=np.int64)
     n_seg = seg_units.size
+    if mode == "stream_k" and n_seg and _keeps_whole_segments(n_seg, int(seg_units.max()), int(seg_units.sum()), grid):
+        ramp = np.arange(n_seg + 1)  # one piece per segment: no pass over the segments' bounds
+        return ramp[:-1], np.zeros(n_seg, np.int64), seg_units.copy(), ramp, (np.arange(grid + 1) * n_seg) // grid
     seg_bounds = np.zeros(n_seg + 1, dtype=np.int64)
     np.cumsum(seg_units, out=seg_bounds[1:])
     prog_ptr, edges, cut_off = _cuts(seg_bounds, _program_bounds(seg_units, seg_bounds, mode, grid))

@@ -175,13 +175,15 @@ def test_forest_long_runs_equals_true_sharing(seed):
                 m = min(full[i], full[j])
                 neq = table[i, :m] != table[j, :m]
                 lcp[i, j] = neq.argmax() if neq.any() else m
-    ptr, members, start, end, kd = auto_forest(table, full, lambda n, own: np.ones(np.shape(n), dtype=bool))
+    ptr, members, start, end, level, kd = auto_forest(table, full, lambda n, own: np.ones(np.shape(n), dtype=bool))
     assert np.array_equal(kd, lcp.max(axis=1, initial=0))
-    chain = np.zeros(bsz, dtype=np.int64)
+    chain, place = np.zeros(bsz, dtype=np.int64), np.zeros(bsz, dtype=np.int64)
     for k in range(start.size):
         m = members[ptr[k]:ptr[k + 1]]
         assert m.size >= 2 and np.all(np.diff(m) > 0) and np.all(chain[m] == start[k])
+        assert np.all(place[m] == level[k])  # the node's place in each member's chain
         chain[m] = end[k]
+        place[m] += 1
         sub = lcp[np.ix_(m, m)] + np.diag(np.full(m.size, 1 << 40))
         assert sub.min() == end[k]  # the members' common prefix ...
         out = np.setdiff1d(np.arange(bsz), m)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import paged_backend as pb
-from paged_backend.cascade_forest import lcp_with_leaders
+from paged_backend import cascade_forest as cf
+from paged_backend.cascade_forest import auto_forest, lcp_with_leaders
 from paged_backend.cascade_plan import LEAF_FIELDS, NODE_FIELDS, CascadeCost
 from tests.test_cascade import check_exact, forest_inputs, random_forest
 
@@ -46,6 +47,81 @@ def test_lcp_with_leaders_equals_reference(seed, n_runs, per_run):
     start = np.minimum(start, lcp0)  # columns before start must be equal
     cap = np.maximum(start, rng.integers(0, width + 1, size=rows.size))
     assert np.array_equal(lcp_with_leaders(table, rows, leads, start, cap), np.minimum(lcp0, cap))
+
+
+@pytest.mark.parametrize("block", [5, 64, 1 << 16])
+@pytest.mark.parametrize("one_leader", [False, True])
+@pytest.mark.parametrize("same_range", [False, True])
+def test_first_mismatch_at_range_and_block_edges(monkeypatch, block, one_leader, same_range):
+    """The first mismatch at the first or last column of a row's range, just past it, or nowhere;
+    ranges of one length (one pass) or of many (blocks in order of their ends); row blocks of a
+    few ids, so blocks cut spans at odd places and no span is a multiple of a block."""
+    monkeypatch.setattr(cf, "_BLOCK", block)
+    rng = np.random.default_rng(block + 2 * one_leader + same_range)
+    width, n = 41, 60
+    table = rng.integers(0, 1 << 30, size=(n + 3, width)).astype(np.int32)
+    leads = np.full(n, n) if one_leader else n + np.arange(n) % 3
+    rows = np.arange(n)
+    a = np.full(n, 3) if same_range else rng.integers(0, width - 1, size=n)
+    b = np.full(n, width) if same_range else rng.integers(a + 1, width + 1)
+    want = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        m = [a[i], b[i] - 1, b[i], width, int(rng.integers(a[i], b[i]))][i % 5]  # where the row differs
+        table[i, :m] = table[leads[i], :m]
+        if m < width:
+            table[i, m] = table[leads[i], m] + 1
+        want[i] = min(m, b[i])
+    got = cf._first_mismatch(table, rows, leads, a, b, int((b - a).sum()))
+    assert np.array_equal(got, want)
+    assert np.array_equal(lcp_with_leaders(table, rows, leads, a, b), want)
+
+
+def subgroups_reference(gid, key):
+    """Stable runs of equal (gid, key) with >= 2 rows, by sorting Python tuples."""
+    gid = np.zeros(key.size, dtype=np.int64) if gid is None else gid
+    order = sorted(range(key.size), key=lambda i: (int(gid[i]), int(key[i]), i))
+    runs, pos = [], []
+    for i in order:
+        if pos and (gid[pos[-1]], key[pos[-1]]) == (gid[i], key[i]):
+            pos.append(i)
+        else:
+            runs.append(pos)
+            pos = [i]
+    runs = [r for r in runs + [pos] if len(r) >= 2]
+    sizes = np.array([len(r) for r in runs], dtype=np.int64)
+    return np.array(sum(runs, []), dtype=np.int64), np.cumsum(sizes) - sizes, sizes
+
+
+@pytest.mark.parametrize("dtype,low,high", [(np.int32, -(1 << 31), 1 << 31), (np.uint32, 0, 1 << 32),
+                                            (np.int8, -128, 128), (np.int64, 1 << 40, (1 << 40) + 50),
+                                            (np.int64, -(1 << 62), 1 << 62)])
+@pytest.mark.parametrize("groups", [None, 1, 7])
+def test_subgroups_equal_reference(dtype, low, high, groups):
+    """(group, id, position) packed into one int64 for ids of <= 32 bits or a small range, else
+    a lexsort; extreme ids, few distinct ids so that runs form."""
+    rng = np.random.default_rng(groups or 0)
+    n = 300
+    ids = rng.integers(low, high, size=12, dtype=np.int64).astype(dtype)
+    if high - low == 1 << (8 * np.dtype(dtype).itemsize):  # the dtype's whole range: its extremes too
+        ids[:2] = np.iinfo(dtype).min, np.iinfo(dtype).max
+    key = ids[rng.integers(0, ids.size, size=n)]
+    gid = None if groups is None else np.sort(rng.integers(0, groups, size=n))
+    for got, want in zip(cf._subgroups(gid, key), subgroups_reference(gid, key)):
+        assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("differ", [False, True])
+def test_forest_mismatch_in_the_last_full_block(differ):
+    """Rows 0, 1 have 8 full blocks, equal up to the last one and (``differ``) not in it; rows 2, 3
+    have 7, equal in their partial block too, which is never shared."""
+    table = np.tile(np.arange(10, dtype=np.int32), (4, 1))
+    if differ:
+        table[1, 7] = 99
+    full = np.array([8, 8, 7, 7])
+    ptr, members, start, end, level, kd = auto_forest(table, full, lambda n, own: np.ones(np.shape(n), dtype=bool))
+    nodes = [(members[ptr[k]:ptr[k + 1]].tolist(), int(start[k]), int(end[k]), int(level[k])) for k in range(end.size)]
+    assert nodes == [([0, 1, 2, 3], 0, 7, 0)] + ([] if differ else [([0, 1], 7, 8, 1)])
+    assert np.array_equal(kd, [7, 7, 7, 7] if differ else [8, 8, 7, 7])
 
 
 def check_partition(cp):
