@@ -28,6 +28,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from kernels.attend import attend_paged_range
 from kernels.decode import fold_states, run_pieces
 from kernels.dispatch import use_pdl
+from kernels.launch import launch, pow2
 
 
 @triton.jit
@@ -87,8 +88,8 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
     group = hq // hkv
     if b == 0:
         return
-    gp = triton.next_power_of_2(group)
-    block_d = triton.next_power_of_2(d)
+    gp = pow2(group)
+    block_d = pow2(d)
     ieee = q.dtype == torch.float32
     v = plan.views
     bt = v["block_table"]
@@ -97,9 +98,9 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
 
     def nodes():
         bm = plan.block_m
-        _cascade_node_kernel[(plan.node_programs,)](
-            q, k_cache, v_cache, bt, v["members"], v["node_work"], v["node_prog_ptr"], po, plse,
-            scale, *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(),
+        launch(
+            _cascade_node_kernel, (plan.node_programs,),
+            q, k_cache, v_cache, bt, v["members"], v["node_work"], v["node_prog_ptr"], po, plse, scale, *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(),
             *po.stride(), *plse.stride(),
             GROUP=group, GP=gp, BS=bs, D=d, BLOCK_M=bm, BLOCK_N=plan.node_block_n, BLOCK_D=block_d, IEEE=ieee,
             PDL=pdl, num_warps=8 if bm >= 128 else 4, num_stages=3,  # swept on an H100

@@ -16,13 +16,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.attend import attend_paged_range
 from kernels.dispatch import use_pdl
-from kernels.launch import launch
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= n (n >= 1): triton.next_power_of_2 is a constexpr_function, whose
-    wrapper costs about a microsecond a call on the host, and these run on every launch."""
-    return 1 << (n - 1).bit_length()
+from kernels.launch import launch, pow2
 
 
 @triton.jit
@@ -157,8 +151,8 @@ def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, 
         scale, block_table.shape[1] * bs,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(), *lse.stride(),
         *partial_o.stride(), *partial_lse.stride(),
-        GROUP=group, BS=bs, D=d, BLOCK_H=max(16, _pow2(group)),  # tl.dot needs M >= 16
-        BLOCK_N=block_n, BLOCK_D=_pow2(d),
+        GROUP=group, BS=bs, D=d, BLOCK_H=max(16, pow2(group)),  # tl.dot needs M >= 16
+        BLOCK_N=block_n, BLOCK_D=pow2(d),
         IEEE=q.dtype == torch.float32, PDL=pdl, WAIT_AT_END=beside_prior, num_warps=num_warps,
         num_stages=num_stages, **({"launch_pdl": True} if beside_prior else {}),
     )
@@ -174,12 +168,12 @@ def fold_states(lists, partial_o, partial_lse, out, lse, num_kv_heads: int, slot
     dependent launch: it starts during the previous kernel and waits for its writes."""
     b, hq, d = out.shape
     pdl = use_pdl(out.device)
-    block_p = min(64, _pow2(max(2, max_len)))
+    block_p = min(64, pow2(max(2, max_len)))
     launch(
         _fold_states_kernel, (b * num_kv_heads, hq // num_kv_heads),
         lists, lists if slots is None else slots, partial_o, partial_lse, out, lse, num_kv_heads,
         *partial_o.stride(), *partial_lse.stride(), *out.stride(), *lse.stride(),
-        GROUP=hq // num_kv_heads, D=d, BLOCK_P=block_p, BLOCK_D=_pow2(d),
+        GROUP=hq // num_kv_heads, D=d, BLOCK_P=block_p, BLOCK_D=pow2(d),
         INDIRECT=slots is not None, SKIP_SINGLE=skip_single, PDL=pdl,
         num_warps=4 if block_p >= 32 else 2, num_stages=1, **({"launch_pdl": True} if pdl else {}),
     )
