@@ -12,6 +12,7 @@ from triton.backends.compiler import BaseBackend
 
 import paged_backend as pb
 from kernels import launch
+from kernels.cascade import _cascade_node_kernel
 from kernels.decode import _decode_kernel, _fold_states_kernel
 from kernels.dispatch import INTERPRET
 from paged_backend.cascade_plan import CascadeCost
@@ -177,9 +178,9 @@ def _misaligned(t: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def _assert_direct_matches_normal(monkeypatch, cases: dict, call):
+def _assert_direct_matches_normal(monkeypatch, cases: dict, call, kernels: set):
     """Each case through the normal path, then three rounds (the first binds, later ones go direct,
-    specializations interleaved) must give the same bits."""
+    specializations interleaved) must give the same bits; ``kernels`` are the ones that went direct."""
     assert launch.DISABLED_BY is None, f"direct launch is off here: {launch.DISABLED_BY}"
     monkeypatch.setattr(launch, "DISABLED_BY", "test: the normal path")
     normal = {name: call(*args) for name, args in cases.items()}
@@ -190,7 +191,7 @@ def _assert_direct_matches_normal(monkeypatch, cases: dict, call):
             out, lse = call(*args)
             assert torch.equal(out, normal[name][0]) and torch.equal(lse, normal[name][1]), name
     torch.cuda.synchronize()
-    assert {e[0] for e in launch._entries.values() if e} == {_decode_kernel, _fold_states_kernel}
+    assert {e[0] for e in launch._entries.values() if e} == kernels
 
 
 @pytest.mark.gpu
@@ -205,13 +206,14 @@ def test_gpu_direct_decode_gives_the_normal_bits(monkeypatch, dtype, mode):
     cases = {"contiguous": (q, bt, sl), "misaligned q": (_misaligned(q), bt, sl),
              "strided q": (q.transpose(0, 1).contiguous().transpose(0, 1), bt, sl),
              "misaligned table and lengths": (q, _misaligned(bt), _misaligned(sl))}
-    _assert_direct_matches_normal(monkeypatch, cases, lambda q, bt, sl: pb.paged_decode(q, k, v, bt, sl, plan=plan))
+    _assert_direct_matches_normal(monkeypatch, cases, lambda q, bt, sl: pb.paged_decode(q, k, v, bt, sl, plan=plan),
+                                  {_decode_kernel, _fold_states_kernel})
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_direct_cascade_gives_the_normal_bits(monkeypatch):
-    """The cascade's leaf pieces launch beside the node kernel (launch_pdl) and fold with slots."""
+    """The node kernel, the leaf pieces beside it (launch_pdl) and the fold through slots."""
     bs, n, prefix, suffix = 16, 6, 4096, 300
     cols = -(-(prefix + suffix) // bs)
     shared = prefix // bs
@@ -225,4 +227,5 @@ def test_gpu_direct_cascade_gives_the_normal_bits(monkeypatch):
                             cost=CascadeCost(0, 0, 0))
     assert not cplan.is_flat
     cases = {"contiguous": (q,), "misaligned q": (_misaligned(q),)}
-    _assert_direct_matches_normal(monkeypatch, cases, lambda q: pb.cascade_decode(q, k, v, cplan))
+    _assert_direct_matches_normal(monkeypatch, cases, lambda q: pb.cascade_decode(q, k, v, cplan),
+                                  {_cascade_node_kernel, _decode_kernel, _fold_states_kernel})
