@@ -8,7 +8,8 @@ Cases are prefix/n/suffix (n samples share a prefix, each has its own suffix) pl
 2048-token system prompt shared by 32 prompts of 4096 tokens x 8 samples with 256-token tails.
 bf16, Hq 32, Hkv 8, D 128, page 16, pages shuffled. ``floor%`` = unique KV bytes (each shared
 prefix once + the suffixes) / time, as % of the copy bandwidth measured in the same run.
-Also times ``plan_cascade`` on 1024 requests x 2K blocks (host, target < 1 ms).
+Also times ``plan_cascade`` on 1024 requests x 2K blocks (host, target < 1 ms), new and with the
+forest of the previous step reused (``forest=``).
 Failures (ours or a peer) are recorded, never fatal.
 """
 from __future__ import annotations
@@ -141,13 +142,17 @@ def plan_timing(quick: bool) -> dict:
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     bt_dev = torch.from_numpy(table).to(dev)
     kw = dict(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BS, device=dev, block_table_device=bt_dev)
-    times = []
+    times, reuse = [], []
     for _ in range(20):
         t0 = time.perf_counter()
         cplan = pb.plan_cascade(table, lens, **kw)
         times.append(time.perf_counter() - t0)
+    for _ in range(20):  # the next decode step: one more token each, the forest reused
+        t0 = time.perf_counter()
+        pb.plan_cascade(table, lens + 1, **kw, forest=cplan)
+        reuse.append(time.perf_counter() - t0)
     return {"requests": bsz, "blocks": width, "nodes": cplan.num_nodes, "median_ms": float(np.median(times) * 1e3),
-            "min_ms": float(min(times) * 1e3)}
+            "min_ms": float(min(times) * 1e3), "reuse_median_ms": float(np.median(reuse) * 1e3)}
 
 
 def main():

@@ -142,7 +142,7 @@ class CascadePlan:
 
 
 def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, device, groups, cost,
-               node_programs, leaf_programs, block_table_device=None) -> CascadePlan:
+               node_programs, leaf_programs, block_table_device=None, forest=None) -> CascadePlan:
     hq, hkv, d, bs = num_q_heads, num_kv_heads, head_dim, block_size
     bsz = lens.size
     group = hq // hkv
@@ -156,13 +156,16 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
         saved = (n - 1) * own_blocks * bs * kv_tok
         return (n >= 2) & (own_blocks > 0) & (saved > n * cost.state_passes * state_bytes + cost.node_fixed_bytes)
 
-    if groups is None:
+    if forest is not None:  # an earlier step's nodes, already folded by the cost model
+        ptr, members, level = forest.node_ptr, forest.node_members, forest.node_level
+        nstart, nend, kd = forest.node_start // bs, forest.node_end // bs, forest.shared_len_host // bs
+    elif groups is None:
         ptr, members, nstart, nend, level, kd = auto_forest(table, full, pays)
     else:
         ptr, members, nstart, nend, level, kd = group_forest(table, full, groups, pays)
     sizes = np.diff(ptr)
     saved_total = float(((sizes - 1) * (nend - nstart)).sum()) * bs * kv_tok
-    if sizes.size and saved_total < cost.min_total_bytes:
+    if forest is None and sizes.size and saved_total < cost.min_total_bytes:
         ptr, members, nstart, nend, level = ptr[:1], members[:0], nstart[:0], nend[:0], level[:0]
         kd = np.zeros(bsz, dtype=np.int64)
     # a view (copied once into the device buffer); at least one column so the views stay 2-D
@@ -349,7 +352,7 @@ def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, bloc
 def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, device=None, groups=None, cost: CascadeCost | None = None,
                  node_programs: int | None = None, leaf_programs: int | None = None,
-                 block_table_device: torch.Tensor | None = None) -> CascadePlan:
+                 block_table_device: torch.Tensor | None = None, forest: CascadePlan | None = None) -> CascadePlan:
     """Plan one cascade decode step from host metadata (see module doc).
 
     ``block_table_cpu [B, max_blocks]`` and ``seq_lens_cpu [B]``: host (CPU tensor / numpy) copies.
@@ -358,6 +361,11 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
     the :class:`CascadeCost` deciding which nodes pay off. ``node_programs`` / ``leaf_programs``
     override the persistent grids (default SMs x occupancy). ``block_table_device``: the same table
     already on ``device`` (int32, any strides): the kernels read it instead of a fresh copy.
+    ``forest``: the plan of an earlier step of the same batch (same requests in the same order) whose
+    shared blocks are unchanged, as in decode steps that only append private blocks: its nodes are
+    reused and only the partition is redone (finding and verifying the forest is most of the cost).
+    Each request must still hold its shared blocks in full, and every member's last shared block is
+    compared with its node's (the whole shared ranges with ``PAGED_BACKEND_DEBUG=1``).
     """
     table = _host_array("block_table_cpu", block_table_cpu, 2)
     lens = _host_array("seq_lens_cpu", seq_lens_cpu, 1).astype(np.int64)
@@ -400,7 +408,45 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
                 or block_table_device.shape[1] < min(table.shape[1], -(-int(lens.max() if lens.size else 0) // block_size)):
             raise ValueError("block_table_device must be an int32 [B, >= blocks in use] tensor on "
                              f"{device} holding block_table_cpu's ids")
+    if forest is not None:
+        _check_forest(forest, table, lens, groups, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                      head_dim=head_dim, block_size=block_size)
     return build_plan(table, lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                       block_size=block_size, device=device, groups=groups, cost=cost,
                       node_programs=node_programs, leaf_programs=leaf_programs,
-                      block_table_device=block_table_device)
+                      block_table_device=block_table_device, forest=forest)
+
+
+def _check_forest(forest, table, lens, groups, **shape) -> None:
+    """``forest`` (an earlier CascadePlan) still describes ``table``: same batch and shapes, every
+    request holds its shared blocks in full, and each member's last shared block id (every shared id
+    with PAGED_BACKEND_DEBUG=1) equals its node's first member's."""
+    if not isinstance(forest, CascadePlan):
+        raise TypeError(f"forest must be a CascadePlan from pb.plan_cascade, got {type(forest).__name__}")
+    if groups is not None:
+        raise ValueError("give groups or forest, not both (forest reuses an earlier plan's nodes)")
+    shape["batch_size"] = lens.size
+    for name, want in shape.items():
+        if getattr(forest, name) != want:
+            raise ValueError(f"forest was planned with {name}={getattr(forest, name)}, this step has {want}")
+    bs, full = forest.block_size, lens // forest.block_size
+    if (full < forest.shared_len_host // bs).any():
+        b = int(np.flatnonzero(full < forest.shared_len_host // bs)[0])
+        raise ValueError(f"forest shares {forest.shared_len_host[b]} tokens of request {b}, which now holds "
+                         f"{lens[b]}: plan this step without forest")
+    if forest.is_flat:
+        return
+    sizes = np.diff(forest.node_ptr)
+    node = np.repeat(np.arange(sizes.size), sizes)  # [M] node of each membership
+    lead = forest.node_members[forest.node_ptr[:-1]][node]
+    first, last = forest.node_start[node] // bs, forest.node_end[node] // bs
+    if debug_enabled():
+        cols = np.arange(table.shape[1])
+        span = (cols >= first[:, None]) & (cols < last[:, None])
+        bad = ((table[forest.node_members] != table[lead]) & span).any(axis=1)
+    else:
+        bad = table[forest.node_members, last - 1] != table[lead, last - 1]
+    if bad.any():
+        b = int(forest.node_members[np.flatnonzero(bad)[0]])
+        raise ValueError(f"block_table_cpu row {b} no longer holds the shared blocks of forest's node: "
+                         "plan this step without forest")

@@ -202,3 +202,73 @@ def test_requests_wholly_in_nodes():
     assert np.array_equal(cp.views["leaf_prog_ptr"].numpy(), np.zeros(5))
     check_partition(cp)
     check_exact(q, k, v, bt, lens, cp, torch.float32)
+
+
+def grow(rng, bt, lens, bs, nb):
+    """A decode step of 1-40 tokens per request: new private blocks (ids from ``nb`` up) appended
+    where a request crosses a block boundary. -> (table [B, cols] int32, lens, block count)."""
+    new_lens = lens.numpy() + rng.integers(1, 41, size=lens.numel())
+    need = -(-new_lens // bs)
+    table = np.zeros((lens.numel(), max(int(need.max()), bt.shape[1])), dtype=np.int32)
+    table[:, :bt.shape[1]] = bt.numpy()
+    for i, n in enumerate(need):  # (plain loop: a test)
+        have = -(-int(lens[i]) // bs)
+        table[i, have:n] = np.arange(nb, nb + n - have)
+        nb += n - have
+    return table, new_lens, nb
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("seed", range(8))
+def test_forest_reuse_after_decode_steps(seed):
+    """Two decode steps planned with ``forest=`` the first plan: the same nodes, a partition valid
+    for the new lengths, the exact result; a fresh plan may share more (full blocks are new)."""
+    rng = np.random.default_rng(5000 + seed)
+    bs = [4, 16][seed % 2]
+    reqs = (long_forest if seed % 2 else random_forest)(rng, bs, max_depth=1 + seed % 3, max_requests=16)
+    q, k, v, bt, lens = forest_inputs(rng, reqs, bs, 8, 2, 64, torch.float32)
+    kw = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=bs, device="cpu", cost=CascadeCost(0, 0, 0))
+    first = pb.plan_cascade(bt, lens, **kw)
+    nb = k.shape[0]
+    for _ in range(2):
+        table, new_lens, nb = grow(rng, bt, lens, bs, nb)
+        k = torch.cat([k, torch.randn(nb - k.shape[0], *k.shape[1:])])
+        v = torch.cat([v, torch.randn(nb - v.shape[0], *v.shape[1:])])
+        cp = pb.plan_cascade(table, new_lens, **kw, forest=first, node_programs=3, leaf_programs=5)
+        assert np.array_equal(cp.node_members, first.node_members) and np.array_equal(cp.node_end, first.node_end)
+        assert np.array_equal(cp.shared_len_host, first.shared_len_host)
+        if not cp.is_flat:
+            check_partition(cp)
+        check_exact(q, k, v, torch.from_numpy(table), torch.from_numpy(new_lens.astype(np.int32)), cp, torch.float32)
+        bt, lens = torch.from_numpy(table), torch.from_numpy(new_lens)
+
+
+def test_forest_reuse_rejects_a_changed_batch(monkeypatch):
+    rng = np.random.default_rng(7)
+    reqs = [([0, 1, 2], 3), ([0, 1, 2], 5), ([0, 1, 4], 0), ([7], 1)]
+    _, _, _, bt, lens = forest_inputs(rng, reqs, 16, 8, 2, 64, torch.float32, shuffle=False)
+    kw = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, device="cpu", cost=CascadeCost(0, 0, 0))
+    first = pb.plan_cascade(bt, lens, **kw)
+    assert first.num_nodes == 2 and int(first.shared_len_host[0]) == 48
+    table, lens_np = bt.numpy().copy(), lens.numpy()
+    with pytest.raises(TypeError, match="^forest must be a CascadePlan"):
+        pb.plan_cascade(table, lens_np, **kw, forest="plan")
+    with pytest.raises(ValueError, match="groups or forest"):
+        pb.plan_cascade(table, lens_np, **kw, forest=first, groups=[[0, 1]])
+    with pytest.raises(ValueError, match="batch_size=4, this step has 3"):
+        pb.plan_cascade(table[:3], lens_np[:3], **kw, forest=first)
+    with pytest.raises(ValueError, match="head_dim=64, this step has 128"):
+        pb.plan_cascade(table, lens_np, **{**kw, "head_dim": 128}, forest=first)
+    short = lens_np.copy()
+    short[1] = 40  # below its 48 shared tokens
+    with pytest.raises(ValueError, match="request 1, which now holds 40"):
+        pb.plan_cascade(table, short, **kw, forest=first)
+    swapped = table[[0, 3, 2, 1]]  # the batch reordered: row 1 lost the node's blocks
+    with pytest.raises(ValueError, match="row 1 no longer holds"):
+        pb.plan_cascade(swapped, np.full(4, 64), **kw, forest=first)
+    inner = table.copy()
+    inner[1, 0] = 99  # a change inside the shared range, not in its last block
+    pb.plan_cascade(inner, lens_np, **kw, forest=first)  # the cheap check looks at the last shared block only
+    monkeypatch.setenv("PAGED_BACKEND_DEBUG", "1")
+    with pytest.raises(ValueError, match="row 1 no longer holds"):
+        pb.plan_cascade(inner, lens_np, **kw, forest=first)
