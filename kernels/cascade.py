@@ -100,8 +100,8 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
         bm = plan.block_m
         launch(
             _cascade_node_kernel, (plan.node_programs,),
-            q, k_cache, v_cache, bt, v["members"], v["node_work"], v["node_prog_ptr"], po, plse, scale, *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(),
-            *po.stride(), *plse.stride(),
+            q, k_cache, v_cache, bt, v["members"], v["node_work"], v["node_prog_ptr"], po, plse, scale,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(), *po.stride(), *plse.stride(),
             GROUP=group, GP=gp, BS=bs, D=d, BLOCK_M=bm, BLOCK_N=plan.node_block_n, BLOCK_D=block_d, IEEE=ieee,
             PDL=pdl, num_warps=8 if bm >= 128 else 4, num_stages=3,  # swept on an H100
         )

@@ -14,6 +14,7 @@ from kernels.cascade import cascade_torch, cascade_triton
 from kernels.checks import HEAD_DIMS, check_attention_inputs, check_heads, check_plan_matches, debug_enabled
 from kernels.decode import decode_triton
 from kernels.dispatch import use_triton
+from paged_backend.cascade_forest import lcp_with_leaders
 from paged_backend.cascade_plan import CascadeCost, CascadePlan, build_plan
 
 __all__ = ["CascadePlan", "CascadeCost", "plan_cascade", "cascade_decode"]
@@ -164,9 +165,7 @@ def _check_forest(forest, table, lens, groups, **shape) -> None:
     lead = forest.node_members[forest.node_ptr[:-1]][node]
     first, last = forest.node_start[node] // bs, forest.node_end[node] // bs
     if debug_enabled():
-        cols = np.arange(table.shape[1])
-        span = (cols >= first[:, None]) & (cols < last[:, None])
-        bad = ((table[forest.node_members] != table[lead]) & span).any(axis=1)
+        bad = lcp_with_leaders(table, forest.node_members, lead, first, last) < last
     else:
         bad = table[forest.node_members, last - 1] != table[lead, last - 1]
     if bad.any():

@@ -33,9 +33,10 @@ def _output(name, t, shape, dtype, device):
 
 
 def _fits_plan(q, k_cache, v_cache, block_table, seq_lens, plan) -> bool:
-    """True only where every check of ``_checked`` passes, for the common call (a plan from plan_decode,
-    no caller outputs) at the cost of some attribute reads; otherwise ``_checked`` runs and names
-    what is wrong. The plan's fields are read, not cached: they are public and could change."""
+    """True only where every check of ``_checked`` on the inputs passes, for the common call (a plan
+    from plan_decode) at the cost of some attribute reads (caller outputs: ``_fits_out``); otherwise
+    ``_checked`` runs and names what is wrong. The plan's fields are read, not cached: they are
+    public and could change."""
     tensor = torch.Tensor
     if type(plan) is not DecodePlan or not (type(q) is tensor and type(k_cache) is tensor
                                             and type(v_cache) is tensor and type(block_table) is tensor
