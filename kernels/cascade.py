@@ -30,6 +30,12 @@ from kernels.decode import fold_states, run_pieces
 from kernels.dispatch import use_pdl
 from kernels.launch import launch, pow2
 
+# Warps per node tile of BLOCK_M rows (H100 sweeps, 2026-11-21): a 256-row tile on 16 warps keeps
+# four warpgroups in flight, so one's softmax overlaps another's wgmma; at 128 registers a thread
+# it spills a little and is still faster than two 128-row tiles on 8 warps (32768/256/256: node
+# 436 -> 344 us, 315 -> 400 TFLOP/s; 4096/256/128: 62.7 -> 55.6 us).
+_NODE_WARPS = {16: 4, 32: 4, 64: 4, 128: 8, 256: 16}
+
 
 @triton.jit
 def _cascade_node_kernel(
@@ -103,7 +109,7 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
             q, k_cache, v_cache, bt, v["members"], v["node_work"], v["node_prog_ptr"], po, plse, scale,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(), *po.stride(), *plse.stride(),
             GROUP=group, GP=gp, BS=bs, D=d, BLOCK_M=bm, BLOCK_N=plan.node_block_n, BLOCK_D=block_d, IEEE=ieee,
-            PDL=pdl, num_warps=8 if bm >= 128 else 4, num_stages=3,  # swept on an H100
+            PDL=pdl, num_warps=_NODE_WARPS[bm], num_stages=3,
         )
 
     def tails(beside_prior=False):  # private tails: decode pieces that only write partial states

@@ -42,17 +42,25 @@ class CascadeCost:
     extra pieces). It is kept iff ``n >= 2`` and saving > cost; otherwise its tokens fold into its
     children. If the kept nodes save less than ``min_total_bytes`` in all, the plan falls back to
     flat decode (two fewer launches), so cascade is never slower than flat decode.
-    ``CascadeCost(0, 0, 0)`` keeps every shared block (tests)."""
+    ``CascadeCost(0, 0, 0)`` keeps every shared block (tests).
+
+    ``wide_tile_flops``: node GEMM FLOPs per node program from which 256-row tiles may be chosen.
+    On long GEMMs they run ~1.27x faster per FLOP than 128-row tiles, but every piece writes twice
+    the partial-state rows (H100, end to end: 8192/64/256 at 6.5e7 FLOPs a program 11% slower,
+    4096/256/128 at 1.3e8 even, 32768/256/256 at 1.0e9 15% faster)."""
     state_passes: float = 4.0
     node_fixed_bytes: float = 512 * 1024
     min_total_bytes: float = 8 * 1024 * 1024
     kv_elem_bytes: int = 2
+    wide_tile_flops: float = 2.0 ** 28
 
 
-def choose_block_m(rows: np.ndarray, tokens: np.ndarray, gp: int, head_dim: int) -> int:
+def choose_block_m(rows: np.ndarray, tokens: np.ndarray, gp: int, head_dim: int, wide: bool = False) -> int:
     """Rows per node tile: the fewest wasted tile rows, weighing the K/V re-read per row block
-    (bytes ~ 133 flop each on an H100) against the tensor-core work of padded rows."""
-    cands = [bm for bm in (16, 32, 64, 128) if bm >= gp and not (head_dim > 128 and bm > 64)]
+    (bytes ~ 133 flop each on an H100) against the tensor-core work of padded rows. ``wide``: 256-row
+    tiles (16 warps, see kernels/cascade.py) are a candidate too."""
+    sizes = (16, 32, 64, 128, 256) if wide else (16, 32, 64, 128)
+    cands = [bm for bm in sizes if bm >= gp and not (head_dim > 128 and bm > 64)]
     if not cands:
         return max(16, gp)
     if rows.size == 0:
@@ -168,7 +176,7 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
         h["seq_lens"][:] = lens
         _upload(plan, src, h, block_table_device)
         return plan
-    _partition(plan, group, node_programs, leaf_programs, block_table_device)
+    _partition(plan, group, node_programs, leaf_programs, block_table_device, cost.wide_tile_flops)
     return plan
 
 
@@ -227,14 +235,16 @@ def _write_leaves(work: np.ndarray, lseg, l0, l1, live, plan: CascadePlan, slot0
     work[:, 4] = np.arange(slot0, slot0 + lseg.size, dtype=np.int32)
 
 
-def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, block_table_device) -> None:
+def _partition(plan: CascadePlan, group: int, node_programs, leaf_programs, block_table_device,
+               wide_tile_flops: float) -> None:
     hkv, d, bn, nbn, bsz = plan.num_kv_heads, plan.head_dim, plan.block_n, plan.node_block_n, plan.batch_size
     ptr, members, lens, shared = plan.node_ptr, plan.node_members, plan.seq_lens_host, plan.shared_len_host
     sms = num_sms(plan.device)
     gp = 1 << max(0, (group - 1).bit_length())
     sizes = ptr[1:] - ptr[:-1]
     ntok = plan.node_end - plan.node_start
-    bm = choose_block_m(sizes * gp, ntok, gp, d)
+    flops = float((sizes * ntok).sum()) * group * 4 * d * hkv  # the node GEMMs, unpadded
+    bm = choose_block_m(sizes * gp, ntok, gp, d, wide=flops >= wide_tile_flops * (node_programs or sms))
     mpb = bm // gp
     plan.block_m = bm
     gn = node_programs or sms * (1 if bm >= 128 else 2)

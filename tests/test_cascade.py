@@ -190,6 +190,20 @@ def test_forest_long_runs_equals_true_sharing(seed):
         assert out.size == 0 or lcp[np.ix_(m, out)].max() < end[k]  # ... and no one else has it
 
 
+def test_many_samples_take_256_row_tiles():
+    """100 samples x a group of 4 = 400 rows: 256-row node tiles (16 warps on a GPU) where the GEMM
+    is long enough; two row blocks, the second partial; a second node of 2 samples in the same launch."""
+    rng = np.random.default_rng(13)
+    bs, hq, hkv = 16, 8, 2
+    reqs = [([0, 1, 2], int(rng.integers(0, bs))) for _ in range(100)] + [([3, 4], 5), ([3, 4, 5], 0)]
+    q, k, v, bt, lens = forest_inputs(rng, reqs, bs, hq, hkv, 64, torch.float32)
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=64, block_size=bs, device="cpu")
+    assert pb.plan_cascade(bt, lens, **kw, cost=KEEP_ALL).block_m == 128  # a short GEMM: 128-row tiles
+    cplan = pb.plan_cascade(bt, lens, **kw, cost=CascadeCost(0, 0, 0, wide_tile_flops=0))
+    assert cplan.block_m == 256 and cplan.num_nodes == 2
+    check_exact(q, k, v, bt, lens, cplan, torch.float32)
+
+
 def test_groups_verified_and_nested():
     rng = np.random.default_rng(7)
     bs, hq, hkv = 4, 4, 2
