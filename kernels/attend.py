@@ -40,25 +40,27 @@ def attend_paged_tile(q, m_i, l_i, acc, k_ptr, v_ptr, page, tok, end, kvh, offs_
 
 
 @triton.jit
-def attend_paged_range(q, k_ptr, v_ptr, bt_row, start, end, kvh, offs_d, d_ok, qk_scale,
+def attend_paged_range(q, k_ptr, v_ptr, bt_row, start, end, bt_end, kvh, offs_d, d_ok, qk_scale,
                        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
                        stride_btn, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
     """Attention of the rows ``q [BLOCK_M, BLOCK_D]`` over tokens ``[start, end)`` of one sequence,
-    whose pages are in the block-table row ``bt_row``, ``BLOCK_N`` tokens a step.
+    whose pages are in the block-table row ``bt_row``, ``BLOCK_N`` tokens a step. Page ids are read
+    for tokens below ``bt_end >= end`` (within the row): a bound known before ``end`` is, so the
+    first page load need not wait for it; ids past ``end`` are never dereferenced.
     -> (o [BLOCK_M, BLOCK_D], lse [BLOCK_M]) as :func:`finish_state` gives them."""
     offs_n = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     tok = start + offs_n
-    page = tl.load(bt_row + (tok // BS) * stride_btn, mask=tok < end, other=0)
+    page = tl.load(bt_row + (tok // BS) * stride_btn, mask=tok < bt_end, other=0)
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         # Fetch the next tile's page ids now, so the K/V loads of the next iteration do not wait
         # on a dependent block-table load.
         nxt = tok + BLOCK_N
-        page_next = tl.load(bt_row + (nxt // BS) * stride_btn, mask=nxt < end, other=0)
+        page_next = tl.load(bt_row + (nxt // BS) * stride_btn, mask=nxt < bt_end, other=0)
         m_i, l_i, acc = attend_paged_tile(q, m_i, l_i, acc, k_ptr, v_ptr, page, tok, end, kvh, offs_d, d_ok,
                                           qk_scale, stride_kb, stride_ks, stride_kh, stride_kd,
                                           stride_vb, stride_vs, stride_vh, stride_vd, BS, IEEE)

@@ -77,7 +77,7 @@ def _cascade_node_kernel(
         qh = kvh * GROUP + hh
         q = tl.load(q_ptr + req[:, None] * stride_qb + qh[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        o, lse = attend_paged_range(q, k_ptr, v_ptr, bt_ptr + rep * stride_btb, start, end, kvh, offs_d, d_ok,
+        o, lse = attend_paged_range(q, k_ptr, v_ptr, bt_ptr + rep * stride_btb, start, end, end, kvh, offs_d, d_ok,
                                     qk_scale, stride_kb, stride_ks, stride_kh, stride_kd,
                                     stride_vb, stride_vs, stride_vh, stride_vd, stride_btn,
                                     BS, BLOCK_M, BLOCK_N, BLOCK_D, IEEE)

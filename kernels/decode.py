@@ -52,13 +52,15 @@ def _decode_kernel(
         kvh = tl.load(w + 1).to(tl.int64)
         start = tl.load(w + 2)
         # The device lengths bound the range too: a plan made from upper bounds stays exact,
-        # and nothing past the table's capacity is ever read.
-        end = tl.minimum(tl.minimum(tl.load(w + 3), tl.load(seq_lens_ptr + b)), max_tokens)
+        # and nothing past the table's capacity is ever read. Page ids are read up to the plan's
+        # bound, so the first of them does not wait for the length (one dependent load fewer).
+        bt_end = tl.minimum(tl.load(w + 3), max_tokens)
+        end = tl.minimum(bt_end, tl.load(seq_lens_ptr + b))
         slot = tl.load(w + 4)
         qh = kvh * GROUP + offs_h  # query heads of this KV head  [BLOCK_H]
         q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                     mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-        o, lse = attend_paged_range(q, k_ptr, v_ptr, bt_ptr + b * stride_btb, start, end, kvh, offs_d, d_ok,
+        o, lse = attend_paged_range(q, k_ptr, v_ptr, bt_ptr + b * stride_btb, start, end, bt_end, kvh, offs_d, d_ok,
                                     qk_scale, stride_kb, stride_ks, stride_kh, stride_kd,
                                     stride_vb, stride_vs, stride_vh, stride_vd, stride_btn,
                                     BS, BLOCK_H, BLOCK_N, BLOCK_D, IEEE)
