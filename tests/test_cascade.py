@@ -19,10 +19,12 @@ pytestmark = pytest.mark.kernel
 KEEP_ALL = CascadeCost(0, 0, 0)  # every shared block pays off: exercises every node
 
 
-def random_forest(rng, bs: int, max_depth: int, max_requests: int = 12):
-    """-> (full-block label lists, partial tokens) per request. Each node has a shared run of 0-2
-    blocks (0 = an empty run), 1-3 children; leaves get 0-2 private full blocks and 0..bs-1 tokens
-    of a partial block. Labels are logical block ids; shared blocks share labels."""
+def random_forest(rng, bs: int, max_depth: int, max_requests: int = 12, max_shared: int = 2,
+                  max_children: int = 3, min_requests: int = 1):
+    """-> (full-block label lists, partial tokens) per request. Each node has a shared run of
+    0-``max_shared`` blocks (0 = an empty run), 1-``max_children`` children; leaves get 0-2 private
+    full blocks and 0..bs-1 tokens of a partial block. Labels are logical block ids; shared blocks
+    share labels."""
     reqs = []
     nxt = [0]
 
@@ -32,8 +34,8 @@ def random_forest(rng, bs: int, max_depth: int, max_requests: int = 12):
         return out
 
     def node(prefix, depth):
-        blocks = prefix + new(int(rng.integers(0, 3)))
-        for _ in range(int(rng.integers(1, 4))):
+        blocks = prefix + new(int(rng.integers(0, max_shared + 1)))
+        for _ in range(int(rng.integers(1, max_children + 1))):
             if len(reqs) >= max_requests:
                 return
             if depth < max_depth and rng.random() < 0.6:
@@ -41,7 +43,7 @@ def random_forest(rng, bs: int, max_depth: int, max_requests: int = 12):
             else:
                 reqs.append((blocks + new(int(rng.integers(0, 3))), int(rng.integers(0, bs))))
 
-    while not reqs:
+    while len(reqs) < min_requests:
         node([], 1)
     return reqs
 

@@ -152,27 +152,9 @@ def check_partition(cp):
 
 
 def long_forest(rng, bs: int, max_depth: int, max_requests: int):
-    """Like ``random_forest`` with shared runs of up to 40 blocks, so node segments span several
-    tiles and get cut between programs."""
-    reqs, nxt = [], [0]
-
-    def node(prefix, depth):
-        n = int(rng.integers(0, 41))
-        blocks = prefix + list(range(nxt[0], nxt[0] + n))
-        nxt[0] += n
-        for _ in range(int(rng.integers(1, 5))):
-            if len(reqs) >= max_requests:
-                return
-            if depth < max_depth and rng.random() < 0.6:
-                node(blocks, depth + 1)
-            else:
-                tail = int(rng.integers(0, 3))
-                reqs.append((blocks + list(range(nxt[0], nxt[0] + tail)), int(rng.integers(0, bs))))
-                nxt[0] += tail
-
-    while len(reqs) < 2:
-        node([], 1)
-    return reqs
+    """``random_forest`` with shared runs of up to 40 blocks, so node segments span several tiles
+    and get cut between programs."""
+    return random_forest(rng, bs, max_depth, max_requests, max_shared=40, max_children=4, min_requests=2)
 
 
 @pytest.mark.parametrize("seed", range(30))
