@@ -14,7 +14,7 @@ from kernels.cascade import cascade_torch, cascade_triton
 from kernels.checks import HEAD_DIMS, check_attention_inputs, check_heads, check_plan_matches, debug_enabled
 from kernels.decode import decode_triton
 from kernels.dispatch import use_triton
-from paged_backend.cascade_forest import lcp_with_leaders
+from paged_backend.cascade_forest import group_depths
 from paged_backend.cascade_plan import CascadeCost, CascadePlan, build_plan
 
 __all__ = ["CascadePlan", "CascadeCost", "plan_cascade", "cascade_decode"]
@@ -160,15 +160,24 @@ def _check_forest(forest, table, lens, groups, **shape) -> None:
                          f"{lens[b]}: plan this step without forest")
     if forest.is_flat:
         return
-    sizes = np.diff(forest.node_ptr)
-    node = np.repeat(np.arange(sizes.size), sizes)  # [M] node of each membership
-    lead = forest.node_members[forest.node_ptr[:-1]][node]
-    first, last = forest.node_start[node] // bs, forest.node_end[node] // bs
+    ptr, members = forest.node_ptr, forest.node_members
+    first, last = forest.node_start // bs, forest.node_end // bs
     if debug_enabled():
-        bad = lcp_with_leaders(table, forest.node_members, lead, first, last) < last
-    else:
-        bad = table[forest.node_members, last - 1] != table[lead, last - 1]
+        bad = (group_depths(table, members, ptr[:-1], first, last) < last).nonzero()[0]
+        if bad.size:  # the first such node (its ancestors, listed before it, hold theirs): which member
+            k = int(bad[0])
+            m = members[ptr[k]:ptr[k + 1]]
+            diff = (table[m, first[k]:last[k]] != table[m[0], first[k]:last[k]]).any(axis=1)
+            _not_held(m[diff.argmax()])
+        return
+    sizes = np.diff(ptr)
+    node = np.repeat(np.arange(sizes.size), sizes)  # [M] node of each membership
+    at = last[node] - 1
+    bad = table[members, at] != table[members[ptr[:-1]][node], at]
     if bad.any():
-        b = int(forest.node_members[np.flatnonzero(bad)[0]])
-        raise ValueError(f"block_table_cpu row {b} no longer holds the shared blocks of forest's node: "
-                         "plan this step without forest")
+        _not_held(members[np.flatnonzero(bad)[0]])
+
+
+def _not_held(b) -> None:
+    raise ValueError(f"block_table_cpu row {int(b)} no longer holds the shared blocks of forest's node: "
+                     "plan this step without forest")
