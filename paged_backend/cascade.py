@@ -87,8 +87,9 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
     already on ``device`` (int32, any strides): the kernels read it instead of a fresh copy.
     ``forest``: the plan of an earlier step of the same batch (same requests in the same order) whose
     shared blocks are unchanged, as in decode steps that only append private blocks: its nodes are
-    reused and only the partition is redone (finding and verifying the forest is most of the cost).
-    Each request must still hold its shared blocks in full, and every member's last shared block is
+    reused (finding and verifying the forest is most of the cost), and its partition too where only
+    the tails' lengths changed (the same requests with tails, one piece each); else the partition is
+    redone. Each request must still hold its shared blocks in full, and every member's last shared block is
     compared with its node's (the whole shared ranges with ``PAGED_BACKEND_DEBUG=1``).
     """
     table = _host_array("block_table_cpu", block_table_cpu, 2)

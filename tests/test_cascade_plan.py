@@ -8,6 +8,7 @@ import torch
 
 import paged_backend as pb
 from paged_backend import cascade_forest as cf
+from paged_backend import cascade_partition as cpart
 from paged_backend.cascade_forest import auto_forest
 from paged_backend.cascade_plan import LEAF_FIELDS, NODE_FIELDS, CascadeCost
 from tests.test_cascade import check_exact, forest_inputs, random_forest
@@ -247,6 +248,33 @@ def test_forest_reuse_after_decode_steps(seed):
             check_partition(cp)
         check_exact(q, k, v, torch.from_numpy(table), torch.from_numpy(new_lens.astype(np.int32)), cp, torch.float32)
         bt, lens = torch.from_numpy(table), torch.from_numpy(new_lens)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_forest_reuse_copies_the_partition_only_when_equal(monkeypatch, seed):
+    """A grown step planned with ``forest=``: where only the tails' lengths changed the partition is
+    copied, else made anew; either way it equals the one made from scratch (bit for bit)."""
+    rng = np.random.default_rng(6000 + seed)
+    bs = [4, 16][seed % 2]
+    reqs = (long_forest if seed % 2 else random_forest)(rng, bs, max_depth=1 + seed % 3, max_requests=40)
+    _, _, _, bt, lens = forest_inputs(rng, reqs, bs, 8, 2, 64, torch.float32)
+    programs = [(None, None), (3, 5), (64, 512)][seed % 3]
+    kw = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=bs, device="cpu", cost=CascadeCost(0, 0, 0),
+              node_programs=programs[0], leaf_programs=programs[1])
+    first = pb.plan_cascade(bt, lens, **kw)
+    table, new_lens, _ = grow(rng, bt, lens, bs, 1 << 20)
+    new_lens[::3] = lens.numpy()[::3]  # some requests unchanged, some may now hold a tail
+    copied = []
+    same_tails = cpart._same_tails
+    monkeypatch.setattr(cpart, "_same_tails", lambda *a: copied.append(same_tails(*a)) or copied[-1])
+    got = pb.plan_cascade(table, new_lens, **kw, forest=first)
+    monkeypatch.setattr(cpart, "_same_tails", lambda *a: False)
+    want = pb.plan_cascade(table, new_lens, **kw, forest=first)
+    assert first.is_flat or len(copied) == 1
+    assert torch.equal(got.buffers, want.buffers) and got.views.keys() == want.views.keys()
+    for name in ("block_m", "node_programs", "leaf_programs", "num_node_pieces", "num_leaf_pieces", "num_slots",
+                 "max_merge_len"):
+        assert getattr(got, name) == getattr(want, name)
 
 
 def test_forest_reuse_rejects_a_changed_batch(monkeypatch):
