@@ -173,8 +173,8 @@ def _check_forest(forest, table, lens, groups, **shape) -> None:
         return
     sizes = np.diff(ptr)
     node = np.repeat(np.arange(sizes.size), sizes)  # [M] node of each membership
-    at = last[node] - 1
-    bad = table[members, at] != table[members[ptr[:-1]][node], at]
+    held = table[members, last[node] - 1]  # each member's last shared block
+    bad = held != held[ptr[:-1]][node]
     if bad.any():
         _not_held(members[np.flatnonzero(bad)[0]])
 

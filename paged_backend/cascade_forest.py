@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import numpy as np
 
-_CHUNK0 = 64          # the first chunk of a probe's chunked scan
+_STEP = 64            # columns between a probe's sampled ids (a row reads at most this past its group's end)
+_SAMPLES = 1 << 14    # sampled ids per level, about, beyond which the step grows
 _BLOCK = 1 << 16      # ids compared per row block: the block's rows and its mask stay in L2
-_SPAN_MAX = 1 << 17   # ids below which probes read their whole range in one pass (chunks would not pay)
 
 
 def _empty(bsz: int):
@@ -44,38 +44,53 @@ def group_depths(table: np.ndarray, rows: np.ndarray, gstart: np.ndarray, a: np.
     before ``a[g]`` and holding ``cap[g] >= a[g]`` full blocks): the first column in ``[a[g], cap[g])``
     where a member differs from the leader, else ``cap[g]``. Exact: id by id.
 
-    A probe per group (its middle row) is compared with the leader first: where it differs bounds
-    the depth (the group most likely ends there). Then each other row is compared with the one
-    before it up to that bound, one contiguous span each; the smallest of those first mismatches
-    is the depth (if every pair agrees on ``[a, x)``, every member agrees with the leader). Probes
-    read their whole range in one pass when few ids, else in chunks of 64, 256, 1024, ... columns.
-    """
+    A probe per group (its middle row) is compared with the leader at every ``step``-th column
+    from ``a`` (a few ids per group), then at the _STEP columns up to the first sampled one where
+    they differ: the first of those where they differ bounds the depth (any column where they
+    differ does; the group most likely ends there). Then each row is compared
+    with the one before it up to that bound, one contiguous span each; the smallest of those first
+    mismatches is the depth (if every pair agrees on ``[a, x)``, every member agrees with the
+    leader there). ``step`` is _STEP columns, or more where many groups would sample more than
+    _SAMPLES ids in all."""
     size = np.empty_like(gstart)
     size[:-1] = gstart[1:] - gstart[:-1]
     size[-1] = rows.size - gstart[-1]
-    pairs = np.empty((gstart.size, 2), dtype=rows.dtype)  # (leader, probe): groups of two rows
-    pairs[:, 0], pairs[:, 1] = rows[gstart], rows[gstart + size // 2]
     if not a.all():  # chains read from the column before their range: settle column 0 first
         head = table[rows, 0]
         same = np.logical_and.reduceat(head == head[gstart].repeat(size), gstart)
         cap = np.where((a > 0) | same, cap, 0)  # a group differing there has depth 0
         a = np.minimum(np.maximum(a, 1), cap)
-    d, lo, todo = cap.copy(), a.copy(), (cap > a).nonzero()[0]
-    w = _CHUNK0 if int((cap - a).sum()) > _SPAN_MAX else int(cap.max())
-    while todo.size:
-        end = np.minimum(lo[todo] + w, cap[todo])
-        d[todo] = f = _chain_min(table, pairs[todo].reshape(-1), 2 * np.arange(todo.size), lo[todo], end)
-        todo = todo[(f == end) & (end < cap[todo])]
-        lo[todo] = d[todo]
-        w *= 4
-    more = ((size > 2) & (d > a)).nonzero()[0]  # the others, up to where their probe differs
+    span = int((cap - a).max())
+    if not span:
+        return cap
+    step = max(_STEP, -(-span * gstart.size // _SAMPLES))
+    cols = np.minimum(a[:, None] + step * np.arange(-(-span // step)), (cap - 1)[:, None])  # [G, S]
+    lead, probe = rows[gstart], rows[gstart + size // 2]
+    c = _first_differing(table, lead, probe, cols)
+    bound = np.where(c >= 0, c, cap)
+    near = (c > a).nonzero()[0]  # then the _STEP columns up to it
+    if near.size:
+        c = c[near, None]
+        cols = np.minimum(np.maximum(c - _STEP, a[near, None]) + np.arange(_STEP + 1), c)
+        bound[near] = _first_differing(table, lead[near], probe[near], cols)
+    more = (bound > a).nonzero()[0]
+    if more.size == gstart.size:
+        return _chain_min(table, rows, gstart, a, bound)
     if more.size:
-        n = size[more] - 1  # all but the probe
+        n = size[more]
         at = np.cumsum(n) - n
-        pos = (gstart[more] - at).repeat(n) + np.arange(int(at[-1] + n[-1]))
-        pos += pos >= (gstart + size // 2)[more].repeat(n)
-        d[more] = _chain_min(table, rows[pos], at, a[more], d[more])
-    return d
+        bound[more] = _chain_min(table, rows[(gstart[more] - at).repeat(n) + np.arange(int(at[-1] + n[-1]))], at,
+                                 a[more], bound[more])
+    return bound
+
+
+def _first_differing(table: np.ndarray, lead: np.ndarray, probe: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Per group g: the first of the columns ``cols[g]`` (ascending) where ``table[probe[g]]`` differs
+    from ``table[lead[g]]``, else -1 (a few ids each: one cache line apiece)."""
+    differ = table[lead[:, None], cols] != table[probe[:, None], cols]
+    first = differ.argmax(axis=1)
+    at = np.arange(cols.shape[0])
+    return np.where(differ[at, first], cols[at, first], -1)
 
 
 def _chain_min(table: np.ndarray, rows: np.ndarray, gstart: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:

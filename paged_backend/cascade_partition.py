@@ -174,37 +174,37 @@ def _merge_lists(plan, h, kvh, mbase, n_in, nrb, seg0, seg, seg_ptr, cut_at, slo
     sizes = ptr[1:] - ptr[:-1]
     km = np.arange(sizes.size).repeat(sizes)  # [M] each membership's node
     lvm = level[km]
-    extra = np.zeros((int(level.max()) + 1, bsz * hkv), dtype=np.int64)  # [L, B * Hkv] extra pieces per level
-    if cut_at.size:  # the members of cut segments: one more slot per extra piece
-        cs = (seg_ptr[1:] - seg_ptr[:-1] > 1).nonzero()[0]
-        em, n = _memberships(mbase[cs], n_in[cs])
-        extra[lvm[em], members[em] * hkv + kvh[cs].repeat(n)] = (seg_ptr[cs + 1] - seg_ptr[cs] - 1).repeat(n)
-    count = np.bincount(members, minlength=bsz)  # node slots per list before cuts: one per level
+    count = np.bincount(members, minlength=bsz)  # node slots per list without cuts: one per level
     if lseg.size == live.size * hkv:  # one piece per tail
         count[live] += 1
         count = count.repeat(hkv)
     else:
         count = count.repeat(hkv)
         count.reshape(bsz, hkv)[live] += (lseg_ptr[1:] - lseg_ptr[:-1]).reshape(live.size, hkv)
-    count += extra[0] if extra.shape[0] == 1 else extra.sum(axis=0)
+    more = np.ones((int(level.max()) + 1, 1), dtype=np.int64)  # [L, B * Hkv] node slots per level
+    if cut_at.size:  # the pieces after a cut: a slot more for each member of their row block
+        s = seg[cut_at]
+        em, n = _memberships(mbase[s], n_in[s])
+        eh = kvh[s].repeat(n)
+        more = more + np.bincount(lvm[em] * count.size + members[em] * hkv + eh,
+                                  minlength=more.size * count.size).reshape(more.size, -1)
+        count += more.sum(axis=0) - more.shape[0]
     rp = np.empty(count.size + 1, dtype=np.int64)  # req_ptr (int64: positions index with it)
     rp[0] = 0
     np.cumsum(count, out=rp[1:])
     h["req_ptr"][:] = rp
-    # each list's first position per level: its start, then a slot per level above and their extras
-    first = np.empty_like(extra)
+    # each list's first position per level: its start, then the slots of the levels above
+    first = np.empty((more.shape[0], count.size), dtype=np.int64)
     first[0] = rp[:-1]
     for lv in range(1, first.shape[0]):
-        np.add(first[lv - 1], extra[lv - 1] + 1, out=first[lv])
+        np.add(first[lv - 1], more[lv - 1], out=first[lv])
     at = first.reshape(-1, hkv).take(lvm * bsz + members, axis=0)  # [M, Hkv]
     rbm, jm = np.divmod(np.arange(members.size) - ptr[km], mpb)
     heads = np.arange(hkv)[:, None]
     slots = h["slots"]
     slots[at.T] = slot_base[seg_ptr[:-1]][(seg0[km] + rbm) + heads * nrb[km]] + jm  # [Hkv, M]
     if cut_at.size:  # the pieces after a cut: the next positions of their members' lists
-        s = seg[cut_at]
-        em, n = _memberships(mbase[s], n_in[s])
-        pos = at.reshape(-1)[em * hkv + kvh[s].repeat(n)]
+        pos = at.reshape(-1)[em * hkv + eh]
         pos += (cut_at - seg_ptr[s]).repeat(n)
         slots[pos] = (slot_base[cut_at] - mbase[s]).repeat(n) + em
     # tail slots: the last of each list, in piece order

@@ -146,8 +146,10 @@ def cut_pieces(units: np.ndarray, grid: int, reps):
     piece before it ends; every other piece starts and ends with its segment. For the cascade
     plan's node and tail work; the decode plan writes its buffers from the same steps directly.
     """
-    n_seg = int(np.sum(reps)) if np.ndim(reps) else units.size * reps
-    total = int((units * reps).sum())
+    if isinstance(reps, np.ndarray):
+        n_seg, total = int(reps.sum()), int(units @ reps)
+    else:
+        n_seg, total = units.size * reps, int(units.sum()) * reps
     if _keeps_whole_segments(n_seg, int(units.max()), total, grid):
         ramp = np.arange(n_seg + 1)  # one piece per segment: no pass over the segments
         return ramp[:-1], ramp, (np.arange(grid + 1) * n_seg) // grid, ramp[:0], ramp[:0]

@@ -29,11 +29,13 @@ def depth_reference(table, rows, gstart, a, cap):
 
 
 @pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("step", [1, 5, 64])
 @pytest.mark.parametrize("groups,size", [(1, 2), (3, 3), (1, 400), (40, 9), (12, 60), (300, 2)])
-def test_group_depths_equal_reference(seed, groups, size):
+def test_group_depths_equal_reference(monkeypatch, seed, step, groups, size):
     """Groups whose members share a random depth with the leader, some diverging earlier or later
-    (the probe too); groups from column 0; ids past the depth equal by chance; sizes on both
-    sides of the one-pass and chunked probes; int32 and int64 tables."""
+    (the probe too); groups from column 0; ids past the depth equal by chance; probes sampled
+    every few columns or every one, and with a step grown for many groups; int32 and int64."""
+    monkeypatch.setattr(cf, "_STEP", step)
     rng = np.random.default_rng(seed * 100 + groups + size)
     width = int(rng.integers(300, 1500))
     table = rng.integers(0, 1 << 30, size=(groups * size, width))
