@@ -7,16 +7,17 @@ down, one vectorised pass per tree level (a loop over levels only: none over blo
 1. rows whose first full block is held by another row are grouped by that block (one sort of
    one column); a group of >= 2 rows is a node candidate starting at column ``c = 0``;
 2. the group's depth ``d`` is found from ``c + 1`` on (:func:`group_depths`): a probe row per group
-   is compared with the group's *leader* (its smallest batch index) first; where it differs
-   bounds ``d``. Then every row is compared with the row before it in the group up to that
-   bound, one contiguous span each (a block of rows is gathered once and compared with itself
-   shifted by a row): ``d`` is the first column where any two of them differ, capped at the
-   group's full blocks. Every member then holds the leader's ids on ``[c, d)``, compared id by id
-   (no hashing, so nothing is shared on a collision);
+   is compared with the group's *leader* (its smallest batch index) at a few sampled columns;
+   where they differ bounds ``d``. Then every row is compared with the row before it in the group
+   up to that bound, one contiguous span each (a block of rows is gathered once and compared
+   with itself shifted by a row): ``d`` is the first column where any two of them differ, capped
+   at the group's full blocks. Every member then holds the leader's ids on ``[c, d)``, compared id
+   by id (no hashing, so nothing is shared on a collision);
 3. members with a block at column ``d`` are sub-grouped by it (one sort of (group, id, row)
    packed into an int64); a sub-group of >= 2 rows is a child candidate starting at ``d``, its
-   smallest batch index the leader. No column is read twice, but where a probe shares more than
-   its group.
+   smallest batch index the leader. A row is read about up to its group's depth: past it only
+   where the probe shares more than the group, and there a block within one group stops at the
+   smallest mismatch found so far (the blocks go in a spread order, to meet one early).
 
 Nodes are folded by the cost model as they are produced (parents before children): a node's range
 starts at its nearest *kept* ancestor's depth. ``auto_forest`` and ``group_forest`` return
@@ -28,8 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 
-_STEP = 64            # columns between a probe's sampled ids (a row reads at most this past its group's end)
-_SAMPLES = 1 << 14    # sampled ids per level, about, beyond which the step grows
+_STEP = 64            # columns between a probe's sampled ids
+_SAMPLES = 1 << 12    # sampled ids per level, about, beyond which the step grows
 _BLOCK = 1 << 16      # ids compared per row block: the block's rows and its mask stay in L2
 
 
@@ -44,14 +45,10 @@ def group_depths(table: np.ndarray, rows: np.ndarray, gstart: np.ndarray, a: np.
     before ``a[g]`` and holding ``cap[g] >= a[g]`` full blocks): the first column in ``[a[g], cap[g])``
     where a member differs from the leader, else ``cap[g]``. Exact: id by id.
 
-    A probe per group (its middle row) is compared with the leader at every ``step``-th column
-    from ``a`` (a few ids per group), then at the _STEP columns up to the first sampled one where
-    they differ: the first of those where they differ bounds the depth (any column where they
-    differ does; the group most likely ends there). Then each row is compared
-    with the one before it up to that bound, one contiguous span each; the smallest of those first
+    A few sampled ids bound each group's depth (:func:`_bounds`). Then each row is compared with
+    the one before it up to that bound, one contiguous span each; the smallest of those first
     mismatches is the depth (if every pair agrees on ``[a, x)``, every member agrees with the
-    leader there). ``step`` is _STEP columns, or more where many groups would sample more than
-    _SAMPLES ids in all."""
+    leader there)."""
     size = np.empty_like(gstart)
     size[:-1] = gstart[1:] - gstart[:-1]
     size[-1] = rows.size - gstart[-1]
@@ -61,18 +58,7 @@ def group_depths(table: np.ndarray, rows: np.ndarray, gstart: np.ndarray, a: np.
         cap = np.where((a > 0) | same, cap, 0)  # a group differing there has depth 0
         a = np.minimum(np.maximum(a, 1), cap)
     span = int((cap - a).max())
-    if not span:
-        return cap
-    step = max(_STEP, -(-span * gstart.size // _SAMPLES))
-    cols = np.minimum(a[:, None] + step * np.arange(-(-span // step)), (cap - 1)[:, None])  # [G, S]
-    lead, probe = rows[gstart], rows[gstart + size // 2]
-    c = _first_differing(table, lead, probe, cols)
-    bound = np.where(c >= 0, c, cap)
-    near = (c > a).nonzero()[0]  # then the _STEP columns up to it
-    if near.size:
-        c = c[near, None]
-        cols = np.minimum(np.maximum(c - _STEP, a[near, None]) + np.arange(_STEP + 1), c)
-        bound[near] = _first_differing(table, lead[near], probe[near], cols)
+    bound = _bounds(table, rows, gstart, size, a, cap, span) if span > _STEP else cap
     more = (bound > a).nonzero()[0]
     if more.size == gstart.size:
         return _chain_min(table, rows, gstart, a, bound)
@@ -81,6 +67,26 @@ def group_depths(table: np.ndarray, rows: np.ndarray, gstart: np.ndarray, a: np.
         at = np.cumsum(n) - n
         bound[more] = _chain_min(table, rows[(gstart[more] - at).repeat(n) + np.arange(int(at[-1] + n[-1]))], at,
                                  a[more], bound[more])
+    return bound
+
+
+def _bounds(table, rows, gstart, size, a, cap, span: int) -> np.ndarray:
+    """A column per group (``group_depths``' arguments) at or past its depth where it most likely
+    ends: any column where two of its rows differ bounds the depth. A probe (the middle row) is
+    compared with the leader at every ``step``-th column from ``a``, then, in a group of more
+    than two rows, at the _STEP columns up to the first sampled one where they differ (the
+    group most likely ends there; a chain past it would find mismatches in every block). ``step``
+    is _STEP columns, or more where many groups would sample more than _SAMPLES ids in all."""
+    step = max(_STEP, -(-span * gstart.size // _SAMPLES))
+    cols = np.minimum(a[:, None] + step * np.arange(-(-span // step)), (cap - 1)[:, None])  # [G, S]
+    lead, probe = rows[gstart], rows[gstart + size // 2]
+    c = _first_differing(table, lead, probe, cols)
+    bound = np.where(c >= 0, c, cap)
+    near = ((c > a) & (size > 2)).nonzero()[0]  # a big group: then the _STEP columns up to it
+    if near.size:
+        c = c[near, None]
+        cols = np.minimum(np.maximum(c - _STEP, a[near, None]) + np.arange(_STEP + 1), c)
+        bound[near] = _first_differing(table, lead[near], probe[near], cols)
     return bound
 
 
@@ -132,15 +138,29 @@ def _chain_min(table: np.ndarray, rows: np.ndarray, gstart: np.ndarray, a: np.nd
         cols = zip(x0.tolist(), np.maximum.reduceat(br, edges[:-1]).tolist())
         start = np.concatenate(([0], (x0 - 1).repeat(np.diff(edges))))
     cross = gstart[1:]  # pairs straddling two groups
-    cut = cross.searchsorted(edges).tolist()
-    cross = cross - edges[:-1].repeat(np.diff(cut))  # each one's row in its block's mask
+    cut = cross.searchsorted(edges)
+    cross = cross - edges[:-1].repeat(cut[1:] - cut[:-1])  # each one's row in its block's mask
     first = np.zeros(n, dtype=np.intp)  # each pair's first mismatch in its mask; 0: none
-    for k, (i0, i1, (c0, c1)) in enumerate(zip(edges[:-1].tolist(), edges[1:].tolist(), cols)):
+    # A block within one group reads only up to the group's smallest mismatch found so far; the
+    # blocks go in a spread order, so that a run of rows ending early is met early.
+    one = np.where(cut[1:] == cut[:-1], gstart.searchsorted(edges[:-1], side="right") - 1, -1).tolist()
+    low, cut, cols = b.tolist(), cut.tolist(), list(cols)
+    i0s, i1s = edges[:-1].tolist(), edges[1:].tolist()
+    spread = max(1, int(len(cols) ** 0.5))
+    for k in sorted(range(len(cols)), key=lambda k: k % spread):
+        i0, i1, (c0, c1) = i0s[k], i1s[k], cols[k]
+        if one[k] >= 0:
+            c1 = min(c1, low[one[k]])
+            if c1 <= c0:
+                continue
         g = table[rows[i0 - 1:i1], c0 - 1:c1]  # one gather; a fresh (contiguous) mask is the fastest to write
         neq = g[1:] != g[:-1]
         neq[cross[cut[k]:cut[k + 1]]] = False
         if neq.reshape(-1)[neq.argmax()]:  # (one flat pass)
-            neq.argmax(axis=1, out=first[i0:i1])  # stops at a pair's first mismatch
+            f = first[i0:i1]
+            neq.argmax(axis=1, out=f)  # stops at a pair's first mismatch
+            if one[k] >= 0:
+                low[one[k]] = min(low[one[k]], c0 - 1 + int(f[f > 0].min()))
     found = np.where(first > 0, first + start, hi)
     d = np.minimum(np.minimum.reduceat(found, gstart), b)
     if order is not None:
