@@ -14,7 +14,7 @@ from kernels.cascade import cascade_torch, cascade_triton
 from kernels.checks import HEAD_DIMS, check_attention_inputs, check_heads, check_plan_matches, debug_enabled
 from kernels.decode import decode_triton
 from kernels.dispatch import use_triton
-from paged_backend.cascade_forest import lcp_with_leaders
+from paged_backend.cascade_forest import group_depths
 from paged_backend.cascade_plan import CascadeCost, CascadePlan, build_plan
 
 __all__ = ["CascadePlan", "CascadeCost", "plan_cascade", "cascade_decode"]
@@ -87,8 +87,9 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
     already on ``device`` (int32, any strides): the kernels read it instead of a fresh copy.
     ``forest``: the plan of an earlier step of the same batch (same requests in the same order) whose
     shared blocks are unchanged, as in decode steps that only append private blocks: its nodes are
-    reused and only the partition is redone (finding and verifying the forest is most of the cost).
-    Each request must still hold its shared blocks in full, and every member's last shared block is
+    reused (finding and verifying the forest is most of the cost), and its partition too where only
+    the tails' lengths changed (the same requests with tails, one piece each); else the partition is
+    redone. Each request must still hold its shared blocks in full, and every member's last shared block is
     compared with its node's (the whole shared ranges with ``PAGED_BACKEND_DEBUG=1``).
     """
     table = _host_array("block_table_cpu", block_table_cpu, 2)
@@ -160,15 +161,24 @@ def _check_forest(forest, table, lens, groups, **shape) -> None:
                          f"{lens[b]}: plan this step without forest")
     if forest.is_flat:
         return
-    sizes = np.diff(forest.node_ptr)
-    node = np.repeat(np.arange(sizes.size), sizes)  # [M] node of each membership
-    lead = forest.node_members[forest.node_ptr[:-1]][node]
-    first, last = forest.node_start[node] // bs, forest.node_end[node] // bs
+    ptr, members = forest.node_ptr, forest.node_members
+    first, last = forest.node_start // bs, forest.node_end // bs
     if debug_enabled():
-        bad = lcp_with_leaders(table, forest.node_members, lead, first, last) < last
-    else:
-        bad = table[forest.node_members, last - 1] != table[lead, last - 1]
+        bad = (group_depths(table, members, ptr[:-1], first, last) < last).nonzero()[0]
+        if bad.size:  # the first such node (its ancestors, listed before it, hold theirs): which member
+            k = int(bad[0])
+            m = members[ptr[k]:ptr[k + 1]]
+            diff = (table[m, first[k]:last[k]] != table[m[0], first[k]:last[k]]).any(axis=1)
+            _not_held(m[diff.argmax()])
+        return
+    sizes = np.diff(ptr)
+    node = np.repeat(np.arange(sizes.size), sizes)  # [M] node of each membership
+    held = table[members, last[node] - 1]  # each member's last shared block
+    bad = held != held[ptr[:-1]][node]
     if bad.any():
-        b = int(forest.node_members[np.flatnonzero(bad)[0]])
-        raise ValueError(f"block_table_cpu row {b} no longer holds the shared blocks of forest's node: "
-                         "plan this step without forest")
+        _not_held(members[np.flatnonzero(bad)[0]])
+
+
+def _not_held(b) -> None:
+    raise ValueError(f"block_table_cpu row {int(b)} no longer holds the shared blocks of forest's node: "
+                     "plan this step without forest")

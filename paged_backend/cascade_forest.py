@@ -6,17 +6,18 @@ down, one vectorised pass per tree level (a loop over levels only: none over blo
 
 1. rows whose first full block is held by another row are grouped by that block (one sort of
    one column); a group of >= 2 rows is a node candidate starting at column ``c = 0``;
-2. each row of a group is compared against the group's *leader* (its smallest batch index),
-   from ``c + 1`` on (:func:`lcp_with_leaders`): a probe row per group first, then the others
-   one contiguous span each, up to where their probe differs (row spans read several times
-   faster than narrow column chunks across rows; the rows that match all of it go on). The exact
-   first mismatch (capped at both rows' full blocks) is the row's LCP with its leader, and the
-   group's depth ``d`` is the smallest of them: every member holds the leader's ids on
-   ``[c, d)``, compared id by id (no hashing, so nothing is shared on a collision);
+2. the group's depth ``d`` is found from ``c + 1`` on (:func:`group_depths`): a probe row per group
+   is compared with the group's *leader* (its smallest batch index) at a few sampled columns;
+   where they differ bounds ``d``. Then every row is compared with the row before it in the group
+   up to that bound, one contiguous span each (a block of rows is gathered once and compared
+   with itself shifted by a row): ``d`` is the first column where any two of them differ, capped
+   at the group's full blocks. Every member then holds the leader's ids on ``[c, d)``, compared id
+   by id (no hashing, so nothing is shared on a collision);
 3. members with a block at column ``d`` are sub-grouped by it (one sort of (group, id, row)
-   packed into an int64); a sub-group of >= 2 rows is a child candidate starting at ``d``. The
-   leader's own sub-group keeps its leader and the LCPs already measured (no column is read
-   twice); the others take a new leader.
+   packed into an int64); a sub-group of >= 2 rows is a child candidate starting at ``d``, its
+   smallest batch index the leader. A row is read about up to its group's depth: past it only
+   where the probe shares more than the group, and there a block within one group stops at the
+   smallest mismatch found so far (the blocks go in a spread order, to meet one early).
 
 Nodes are folded by the cost model as they are produced (parents before children): a node's range
 starts at its nearest *kept* ancestor's depth. ``auto_forest`` and ``group_forest`` return
@@ -28,9 +29,9 @@ from __future__ import annotations
 
 import numpy as np
 
-_CHUNK0 = 64          # columns a row reads at least, and the first chunk of a chunked scan
-_BLOCK = 1 << 16      # ids compared per row block: the block's rows, its leaders and the mask stay in L2
-_SPAN_MAX = 1 << 17   # ids below which rows read their whole range in one pass (chunks would not pay)
+_STEP = 64            # columns between a probe's sampled ids
+_SAMPLES = 1 << 12    # sampled ids per level, about, beyond which the step grows
+_BLOCK = 1 << 16      # ids compared per row block: the block's rows and its mask stay in L2
 
 
 def _empty(bsz: int):
@@ -38,107 +39,133 @@ def _empty(bsz: int):
     return np.zeros(1, np.int64), z, z, z.copy(), z.copy(), np.zeros(bsz, np.int64)
 
 
-def _compare_block(table, rows, leads, c0: int, c1: int, out: np.ndarray) -> None:
-    """``out[i]``: the offset from ``c0`` of the first column in ``[c0, c1)`` where ``table[rows[i]]``
-    and its leader's row differ, else 0 (as for a mismatch at ``c0``: the caller tells them apart).
-    ``leads``: one leader per row, or one int for all (its row read once)."""
-    neq = table[rows, c0:c1] != table[leads, c0:c1]  # a fresh (contiguous) mask is the fastest to write
-    neq.argmax(axis=1, out=out)  # stops at a row's first mismatch
+def group_depths(table: np.ndarray, rows: np.ndarray, gstart: np.ndarray, a: np.ndarray,
+                 cap: np.ndarray) -> np.ndarray:
+    """Per group g (``rows[gstart[g]:gstart[g + 1]]``, >= 2 rows, the first one its leader, all equal
+    before ``a[g]`` and holding ``cap[g] >= a[g]`` full blocks): the first column in ``[a[g], cap[g])``
+    where a member differs from the leader, else ``cap[g]``. Exact: id by id.
+
+    A few sampled ids bound each group's depth (:func:`_bounds`). Then each row is compared with
+    the one before it up to that bound, one contiguous span each; the smallest of those first
+    mismatches is the depth (if every pair agrees on ``[a, x)``, every member agrees with the
+    leader there)."""
+    size = np.empty_like(gstart)
+    size[:-1] = gstart[1:] - gstart[:-1]
+    size[-1] = rows.size - gstart[-1]
+    if not a.all():  # chains read from the column before their range: settle column 0 first
+        head = table[rows, 0]
+        same = np.logical_and.reduceat(head == head[gstart].repeat(size), gstart)
+        cap = np.where((a > 0) | same, cap, 0)  # a group differing there has depth 0
+        a = np.minimum(np.maximum(a, 1), cap)
+    span = int((cap - a).max())
+    bound = _bounds(table, rows, gstart, size, a, cap, span) if span > _STEP else cap
+    more = (bound > a).nonzero()[0]
+    if more.size == gstart.size:
+        return _chain_min(table, rows, gstart, a, bound)
+    if more.size:
+        n = size[more]
+        at = np.cumsum(n) - n
+        bound[more] = _chain_min(table, rows[(gstart[more] - at).repeat(n) + np.arange(int(at[-1] + n[-1]))], at,
+                                 a[more], bound[more])
+    return bound
 
 
-def _first_mismatch(table: np.ndarray, rows: np.ndarray, leads: np.ndarray, a: np.ndarray,
-                    b: np.ndarray, total: int) -> np.ndarray:
-    """Per row: the first column in ``[a[i], b[i])`` where ``table[rows[i]]`` and
-    ``table[leads[i]]`` differ, else ``b[i]``; ``total``: the sum of ``b - a``. Columns before
-    ``a[i]`` must be known equal (a row block reads from its rows' smallest ``a``). Row blocks of
-    ~_BLOCK ids, each row read as one contiguous span of its block's columns; rows whose ranges
-    differ much go in order of ``b``, so that a block's columns stay close to each of its rows' own."""
-    n, lo, hi = rows.size, int(a.min()), int(b.max())
-    first = np.empty(n, dtype=np.intp)
+def _bounds(table, rows, gstart, size, a, cap, span: int) -> np.ndarray:
+    """A column per group (``group_depths``' arguments) at or past its depth where it most likely
+    ends: any column where two of its rows differ bounds the depth. A probe (the middle row) is
+    compared with the leader at every ``step``-th column from ``a``, then, in a group of more
+    than two rows, at the _STEP columns up to the first sampled one where they differ (the
+    group most likely ends there; a chain past it would find mismatches in every block). ``step``
+    is _STEP columns, or more where many groups would sample more than _SAMPLES ids in all."""
+    step = max(_STEP, -(-span * gstart.size // _SAMPLES))
+    cols = np.minimum(a[:, None] + step * np.arange(-(-span // step)), (cap - 1)[:, None])  # [G, S]
+    lead, probe = rows[gstart], rows[gstart + size // 2]
+    c = _first_differing(table, lead, probe, cols)
+    bound = np.where(c >= 0, c, cap)
+    near = ((c > a) & (size > 2)).nonzero()[0]  # a big group: then the _STEP columns up to it
+    if near.size:
+        c = c[near, None]
+        cols = np.minimum(np.maximum(c - _STEP, a[near, None]) + np.arange(_STEP + 1), c)
+        bound[near] = _first_differing(table, lead[near], probe[near], cols)
+    return bound
+
+
+def _first_differing(table: np.ndarray, lead: np.ndarray, probe: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Per group g: the first of the columns ``cols[g]`` (ascending) where ``table[probe[g]]`` differs
+    from ``table[lead[g]]``, else -1 (a few ids each: one cache line apiece)."""
+    differ = table[lead[:, None], cols] != table[probe[:, None], cols]
+    first = differ.argmax(axis=1)
+    at = np.arange(cols.shape[0])
+    return np.where(differ[at, first], cols[at, first], -1)
+
+
+def _chain_min(table: np.ndarray, rows: np.ndarray, gstart: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per group g (``rows[gstart[g]:gstart[g + 1]]``, >= 2 rows; ``1 <= a[g] < b[g]``, the group's
+    rows equal before ``a[g]``): the first column in ``[a[g], b[g])`` where two consecutive rows of
+    the group differ, else ``b[g]`` - the smallest LCP of a member with the group's first row.
+
+    Each row is compared with the one before it, so a row block is gathered once and compared
+    with itself shifted by a row (two contiguous views: the fastest compare numpy has); the pairs
+    straddling two groups are masked out. A block reads from one column before its rows' ranges
+    (equal in all of them), so a pair's argmax is 0 only where it does not differ, and a block
+    whose mask holds no mismatch at all (the usual case: groups end where their probe says) needs
+    no argmax per row. Blocks of ~_BLOCK ids; groups whose ranges differ much go in order of
+    ``b``, so that a block's columns stay close to its rows'."""
+    n = rows.size
+    size = np.empty_like(gstart)
+    size[:-1] = gstart[1:] - gstart[:-1]
+    size[-1] = n - gstart[-1]
+    lo, hi = int(a.min()), int(b.max())
+    total = int(((b - a) * (size - 1)).sum())
     order = None
-    if (hi - lo) * n <= 1.25 * total:  # about one range: compare all rows over it
-        if leads[0] == leads[-1] and (leads == leads[0]).all():
-            leads = int(leads[0])  # one leader: its row read once, broadcast
-        step = max(1, _BLOCK // (hi - lo))
-        for i in range(0, n, step):
-            _compare_block(table, rows[i:i + step], leads if isinstance(leads, int) else leads[i:i + step],
-                           lo, hi, first[i:i + step])
-        first += lo
+    if (hi - lo) * (n - gstart.size) <= 1.25 * total:  # about one range: blocks of rows over it
+        step = max(1, _BLOCK // (hi - lo + 1))
+        edges = np.arange(1, n + step, step)
+        edges[-1] = n
+        cols = [(lo, hi)] * (edges.size - 1)
+        start = lo - 1  # the column of each pair's mask's first entry
     else:
         order = np.argsort(b, kind="stable")
-        rows, leads, a, b = rows[order], leads[order], a[order], b[order]
-        cum = np.cumsum(b - a)
-        edges = np.unique(np.searchsorted(cum, np.arange(0, total, _BLOCK), side="right").tolist() + [0, n])
-        x0, x1 = np.minimum.reduceat(a, edges[:-1]), b[edges[1:] - 1]  # each block's columns
-        edges = edges.tolist()
-        for i0, i1, c0, c1 in zip(edges[:-1], edges[1:], x0.tolist(), x1.tolist()):
-            _compare_block(table, rows[i0:i1], leads[i0:i1], c0, c1, first[i0:i1])
-        first += np.repeat(x0, np.diff(edges))
-    # argmax also names a block's first column where a row has no mismatch: equal there, it has none
-    out = np.where((first < b) & (table[rows, first] != table[leads, first]), first, b)
+        size, a, b = size[order], a[order], b[order]
+        at = np.cumsum(size) - size  # the groups' new starts
+        rows = rows[(gstart[order] - at).repeat(size) + np.arange(n)]
+        gstart = at
+        ar, br = a.repeat(size), b.repeat(size)
+        ar[gstart], br[gstart] = hi, lo  # a group's first row starts no pair
+        cum = np.cumsum(np.maximum(br - ar, 0))
+        edges = np.unique(np.concatenate(([1], cum.searchsorted(np.arange(_BLOCK, total, _BLOCK)) + 1, [n])))
+        x0 = np.minimum.reduceat(ar, edges[:-1])
+        cols = zip(x0.tolist(), np.maximum.reduceat(br, edges[:-1]).tolist())
+        start = np.concatenate(([0], (x0 - 1).repeat(np.diff(edges))))
+    cross = gstart[1:]  # pairs straddling two groups
+    cut = cross.searchsorted(edges)
+    cross = cross - edges[:-1].repeat(cut[1:] - cut[:-1])  # each one's row in its block's mask
+    first = np.zeros(n, dtype=np.intp)  # each pair's first mismatch in its mask; 0: none
+    # A block within one group reads only up to the group's smallest mismatch found so far; the
+    # blocks go in a spread order, so that a run of rows ending early is met early.
+    one = np.where(cut[1:] == cut[:-1], gstart.searchsorted(edges[:-1], side="right") - 1, -1).tolist()
+    low, cut, cols = b.tolist(), cut.tolist(), list(cols)
+    i0s, i1s = edges[:-1].tolist(), edges[1:].tolist()
+    spread = max(1, int(len(cols) ** 0.5))
+    for k in sorted(range(len(cols)), key=lambda k: k % spread):
+        i0, i1, (c0, c1) = i0s[k], i1s[k], cols[k]
+        if one[k] >= 0:
+            c1 = min(c1, low[one[k]])
+            if c1 <= c0:
+                continue
+        g = table[rows[i0 - 1:i1], c0 - 1:c1]  # one gather; a fresh (contiguous) mask is the fastest to write
+        neq = g[1:] != g[:-1]
+        neq[cross[cut[k]:cut[k + 1]]] = False
+        if neq.reshape(-1)[neq.argmax()]:  # (one flat pass)
+            f = first[i0:i1]
+            neq.argmax(axis=1, out=f)  # stops at a pair's first mismatch
+            if one[k] >= 0:
+                low[one[k]] = min(low[one[k]], c0 - 1 + int(f[f > 0].min()))
+    found = np.where(first > 0, first + start, hi)
+    d = np.minimum(np.minimum.reduceat(found, gstart), b)
     if order is not None:
-        out[order] = out.copy()
-    return out
-
-
-def lcp_with_leaders(table: np.ndarray, rows: np.ndarray, leads: np.ndarray, start: np.ndarray,
-                     cap: np.ndarray) -> np.ndarray:
-    """First column ``j`` in ``[start[i], cap[i])`` where ``table[rows[i], j] != table[leads[i], j]``,
-    else ``cap[i]``; columns before ``start[i]`` must already be known equal. Exact: id by id.
-
-    Reading whole row spans in one pass is several times faster than narrow column chunks across
-    the rows, so: few ids -> one pass over each row's range. Else each run of rows with the same
-    leader (callers pass rows grouped by leader) sends its middle row ahead as a probe; the others
-    read one span up to and including the column where their probe differs (where the run most
-    likely ends, at least _CHUNK0 columns), and the rows that match all of it go on the same way.
-    Rows that each have their own leader scan in chunks of 64, 256, 1024, ... columns. A run whose
-    probe shares far more than its other rows reads past their LCPs (at worst up to the probe's)."""
-    start, cap = np.asarray(start, dtype=np.int64), np.asarray(cap, dtype=np.int64)
-    todo = (cap > start).nonzero()[0]
-    if todo.size == cap.size:
-        return _lcp(table, rows, leads, start, cap)
-    e = cap.copy()
-    if todo.size:
-        e[todo] = _lcp(table, rows[todo], leads[todo], start[todo], cap[todo])
-    return e
-
-
-def _lcp(table, rows, leads, a, b):
-    """``lcp_with_leaders`` of rows whose ranges ``[a, b)`` are not empty."""
-    total = int((b - a).sum())
-    if total <= _SPAN_MAX:
-        return _first_mismatch(table, rows, leads, a, b, total)
-    new = np.empty(rows.size, dtype=bool)
-    new[0] = True
-    np.not_equal(leads[1:], leads[:-1], out=new[1:])
-    rs = new.nonzero()[0]  # each run's first row
-    if rs.size == rows.size:  # every row has its own leader: chunks
-        e = b.copy()
-        todo, w = np.arange(rows.size), _CHUNK0
-        while todo.size:
-            end = np.minimum(a + w, b)
-            e[todo] = f = _first_mismatch(table, rows, leads, a, end, int((end - a).sum()))
-            go = ((f == end) & (end < b)).nonzero()[0]
-            todo, rows, leads, a, b, w = todo[go], rows[go], leads[go], end[go], b[go], 4 * w
-        return e
-    runs = np.empty_like(rs)
-    runs[:-1] = rs[1:] - rs[:-1]
-    runs[-1] = rows.size - rs[-1]
-    mid = rs + runs // 2
-    e = np.empty(rows.size, dtype=np.int64)
-    e[mid] = pe = _lcp(table, rows[mid], leads[mid], a[mid], b[mid])
-    new[:] = True
-    new[mid] = False
-    rest = new.nonzero()[0]  # the others, runs - 1 of each run
-    ar, br = a[rest], b[rest]
-    bound = np.minimum(np.maximum(pe.repeat(runs - 1) + 1, ar + _CHUNK0), br)
-    f = _first_mismatch(table, rows[rest], leads[rest], ar, bound, int((bound - ar).sum()))
-    more = ((f == bound) & (bound < br)).nonzero()[0]  # matched all of their span: go on from its end
-    if more.size:
-        m = rest[more]
-        f[more] = _lcp(table, rows[m], leads[m], bound[more], br[more])
-    e[rest] = f
-    return e
+        d[order] = d.copy()
+    return d
 
 
 def _subgroups(gid, key: np.ndarray):
@@ -193,20 +220,14 @@ def auto_forest(table: np.ndarray, full: np.ndarray, pays):
         return _empty(bsz)  # no two rows share a first block: flat, without reading further
     rows = cand[o]
     gid = np.arange(gstart.size).repeat(n)  # [R] each row's group
-    c = np.zeros(gstart.size, dtype=np.int64)   # [G] first column of each group's own range
-    e = np.full(rows.size, -1, dtype=np.int64)  # [R] LCP with the group's leader, -1: not measured
+    c = np.zeros(gstart.size, dtype=np.int64)   # [G] each group's key column: equal in all its rows
     kd = np.zeros(bsz, dtype=np.int64)           # kept depth per request
     kc = np.zeros(bsz, dtype=np.int64)           # kept nodes per request
     fr = full[rows]
     ptr_parts, mem_parts, start_parts, end_parts, level_parts = [], [], [], [], []
     while True:
-        lead, flead = rows[gstart], fr[gstart]
-        e[gstart] = flead
-        t = (e < 0).nonzero()[0]
-        if t.size:
-            g = gid[t]
-            e[t] = lcp_with_leaders(table, rows[t], lead[g], c[g] + 1, np.minimum(fr[t], flead[g]))
-        d = np.minimum.reduceat(e, gstart)
+        lead = rows[gstart]
+        d = group_depths(table, rows, gstart, c + 1, np.minimum.reduceat(fr, gstart))
         dg = d[gid]
         pk = kd[lead]
         keep = pays(n, d - pk)
@@ -229,10 +250,8 @@ def auto_forest(table: np.ndarray, full: np.ndarray, pays):
         if not gstart.size:
             break
         p = live[o]
-        rows, fr, ep, dp = rl[o], fr[p], e[p], dg[p]
-        c = dp[gstart]
+        rows, fr, c = rl[o], fr[p], dg[p[gstart]]
         gid = np.arange(gstart.size).repeat(n)
-        e = np.where(ep > dp, ep, -1)  # in the leader's sub-group: the measured LCP stays valid
     if not ptr_parts:
         return _empty(bsz)[:5] + (kd,)
     sizes = np.concatenate(ptr_parts)
@@ -272,10 +291,8 @@ def group_forest(table: np.ndarray, full: np.ndarray, groups, pays):
         owner[g] = gi
         cap = int(full[g].min())
         depth = cap
-        if g.size > 1 and cap > 0:
-            lead = np.full(g.size - 1, g[0])
-            depth = int(lcp_with_leaders(table, g[1:], lead, np.full(g.size - 1, kd[g[0]]),
-                                         np.full(g.size - 1, cap)).min())
+        if g.size > 1 and cap > kd[g[0]]:
+            depth = int(group_depths(table, g, np.zeros(1, np.int64), kd[g[:1]], np.array([cap]))[0])
         pk = int(kd[g[0]])
         if g.size < 2 or depth <= pk or not pays(np.array([g.size]), np.array([depth - pk]))[0]:
             continue

@@ -67,27 +67,22 @@ def _keeps_whole_segments(n_seg: int, longest: int, total: int, grid: int) -> bo
     return n_seg >= grid and -(-n_seg // grid) * longest <= NO_SPLIT_SLACK * total / grid
 
 
-def _program_bounds(seg_units: np.ndarray, seg_bounds: np.ndarray, mode: str, grid: int) -> np.ndarray:
-    """Cut points (in units, including 0 and U) of the program runs; ``len - 1`` programs.
-    ``seg_bounds [S + 1]``: the segments' cumulative units, from 0."""
+def _split_bounds(seg_units: np.ndarray, seg_bounds: np.ndarray, grid: int) -> np.ndarray:
+    """Split-KV's cut points (in units, including 0 and U) of the program runs; ``len - 1``
+    programs. ``seg_bounds [S + 1]``: the segments' cumulative units, from 0."""
     total = int(seg_bounds[-1])
-    if mode == "split":
-        live = max(1, int(np.count_nonzero(seg_units)))
-        chunks = max(1, -(-grid // live))
-        per = np.maximum(1, -(-seg_units // chunks))  # units per chunk, per segment
-        n_chunks = -(-seg_units // per)  # 0 for an empty segment
-        first = np.cumsum(n_chunks) - n_chunks  # [S] index of each segment's first chunk
-        # The chunk starts (ascending and distinct: an empty segment has no chunk), then U. Chunk
-        # k starts k - first[s] chunks into its segment s.
-        bounds = np.empty(int(n_chunks.sum()) + 1, dtype=np.int64)
-        base = np.repeat(seg_bounds[:-1] - first * per, n_chunks)
-        bounds[:-1] = base + np.arange(base.size) * np.repeat(per, n_chunks)
-        bounds[-1] = total
-        return bounds
-    n_seg = seg_units.size
-    if _keeps_whole_segments(n_seg, int(seg_units.max()) if n_seg else 0, total, grid):
-        return seg_bounds[(np.arange(grid + 1) * n_seg) // grid]
-    return (np.arange(grid + 1, dtype=np.int64) * total) // grid
+    live = max(1, int(np.count_nonzero(seg_units)))
+    chunks = max(1, -(-grid // live))
+    per = np.maximum(1, -(-seg_units // chunks))  # units per chunk, per segment
+    n_chunks = -(-seg_units // per)  # 0 for an empty segment
+    first = np.cumsum(n_chunks) - n_chunks  # [S] index of each segment's first chunk
+    # The chunk starts (ascending and distinct: an empty segment has no chunk), then U. Chunk
+    # k starts k - first[s] chunks into its segment s.
+    bounds = np.empty(int(n_chunks.sum()) + 1, dtype=np.int64)
+    base = np.repeat(seg_bounds[:-1] - first * per, n_chunks)
+    bounds[:-1] = base + np.arange(base.size) * np.repeat(per, n_chunks)
+    bounds[-1] = total
+    return bounds
 
 
 def _cuts(seg_bounds: np.ndarray, bounds: np.ndarray):
@@ -141,31 +136,30 @@ def _runs(edges: np.ndarray, ramp: np.ndarray, seg_ptr: np.ndarray) -> np.ndarra
     return seg
 
 
-def cut_pieces(seg_units: np.ndarray, grid: int, mode: str = "stream_k"):
-    """Cuts segments of ``seg_units [S]`` units (each >= 1) into program runs (see the module doc).
+def cut_pieces(units: np.ndarray, grid: int, reps):
+    """Cuts segments of ``units [N]`` units (each >= 1), unit ``i`` repeated ``reps`` times (an int
+    or ``[N]``, >= 1), stream-K into ``grid`` program runs (see the module doc).
 
-    -> ``(seg [P], unit_start [P], unit_end [P], seg_ptr [S + 1], prog_ptr [R + 1])``: the pieces
-    in order (units counted within their segment), each segment's pieces ``seg_ptr[s]..
-    seg_ptr[s+1]``, and each of the R program runs' first piece (R = ``grid`` for stream-K).
-    For the cascade plan's node and tail work; the decode plan writes its buffers from the same
-    steps directly.
+    -> ``(seg [P], seg_ptr [S + 1], prog_ptr [grid + 1], cut_at [C], cut_off [C])``: each piece's
+    segment, each segment's pieces ``seg_ptr[s]..seg_ptr[s+1]``, each program run's first piece,
+    and the cuts: piece ``cut_at[i]`` starts ``cut_off[i]`` units into its segment, where the
+    piece before it ends; every other piece starts and ends with its segment. For the cascade
+    plan's node and tail work; the decode plan writes its buffers from the same steps directly.
     """
-    seg_units = np.asarray(seg_units, dtype=np.int64)
-    n_seg = seg_units.size
-    if mode == "stream_k" and n_seg and _keeps_whole_segments(n_seg, int(seg_units.max()), int(seg_units.sum()), grid):
-        ramp = np.arange(n_seg + 1)  # one piece per segment: no pass over the segments' bounds
-        return ramp[:-1], np.zeros(n_seg, np.int64), seg_units.copy(), ramp, (np.arange(grid + 1) * n_seg) // grid
+    if isinstance(reps, np.ndarray):
+        n_seg, total = int(reps.sum()), int(units @ reps)
+    else:
+        n_seg, total = units.size * reps, int(units.sum()) * reps
+    if _keeps_whole_segments(n_seg, int(units.max()), total, grid):
+        ramp = np.arange(n_seg + 1)  # one piece per segment: no pass over the segments
+        return ramp[:-1], ramp, (np.arange(grid + 1) * n_seg) // grid, ramp[:0], ramp[:0]
+    seg_units = units.repeat(reps)
     seg_bounds = np.zeros(n_seg + 1, dtype=np.int64)
     np.cumsum(seg_units, out=seg_bounds[1:])
-    prog_ptr, edges, cut_off = _cuts(seg_bounds, _program_bounds(seg_units, seg_bounds, mode, grid))
+    prog_ptr, edges, cut_off = _cuts(seg_bounds, (np.arange(grid + 1, dtype=np.int64) * total) // grid)
     seg_ptr = np.empty(n_seg + 1, dtype=np.int64)
     seg = _runs(edges, np.arange(edges[-1] + 1), seg_ptr)
-    cut_at = edges[1:-1]
-    start = np.zeros(seg.size, dtype=np.int64)
-    start[cut_at] = cut_off
-    end = seg_units[seg]
-    end[cut_at - 1] = cut_off
-    return seg, start, end, seg_ptr, prog_ptr
+    return seg, seg_ptr, prog_ptr, edges[1:-1], cut_off
 
 
 @lru_cache(maxsize=16)
@@ -346,7 +340,7 @@ class DecodePlan:
             seg_units = units.repeat(hkv)
             seg_bounds = np.zeros(s + 1, dtype=np.int64)
             seg_units.cumsum(out=seg_bounds[1:])
-            prog_ptr, edges, cut_off = _cuts(seg_bounds, _program_bounds(seg_units, seg_bounds, "split", g))
+            prog_ptr, edges, cut_off = _cuts(seg_bounds, _split_bounds(seg_units, seg_bounds, g))
         if edges.size == 2:  # no cut
             self._write_whole(prog_ptr)
             return

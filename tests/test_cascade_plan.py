@@ -1,4 +1,4 @@
-"""Cascade planning on the host, against plain references: the leader comparison of the prefix
+"""Cascade planning on the host, against plain references: the depth comparison of the prefix
 forest, and the pieces and merge lists of the partition (no kernels)."""
 from __future__ import annotations
 
@@ -8,72 +8,81 @@ import torch
 
 import paged_backend as pb
 from paged_backend import cascade_forest as cf
-from paged_backend.cascade_forest import auto_forest, lcp_with_leaders
+from paged_backend import cascade_partition as cpart
+from paged_backend.cascade_forest import auto_forest
 from paged_backend.cascade_plan import LEAF_FIELDS, NODE_FIELDS, CascadeCost
 from tests.test_cascade import check_exact, forest_inputs, random_forest
 
 
-def lcp_reference(table, rows, leads, start, cap):
-    out = np.array(cap, dtype=np.int64)
-    for i, (r, ld) in enumerate(zip(rows, leads)):
-        neq = np.flatnonzero(table[r, start[i]:cap[i]] != table[ld, start[i]:cap[i]])
-        if neq.size:
-            out[i] = start[i] + neq[0]
-    return out
+def depth_reference(table, rows, gstart, a, cap):
+    """Per group: the smallest first mismatch of a member with the group's first row in [a, cap)."""
+    ends = list(gstart[1:]) + [rows.size]
+    out = []
+    for g, (s, e) in enumerate(zip(gstart, ends)):
+        d = int(cap[g])
+        for r in rows[s + 1:e]:
+            neq = np.flatnonzero(table[r, a[g]:cap[g]] != table[rows[s], a[g]:cap[g]])
+            if neq.size:
+                d = min(d, int(a[g] + neq[0]))
+        out.append(d)
+    return np.array(out)
 
 
 @pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("n_runs,per_run", [(1, 1), (3, 2), (1, 400), (40, 9), (12, 60), (300, 1)])
-def test_lcp_with_leaders_equals_reference(seed, n_runs, per_run):
-    """Runs of rows per leader that share a random depth with it, some rows (or the probe, the
-    run's middle row) diverging earlier or later; singleton runs; sizes on both sides of the
-    one-pass, probe and chunked paths; int32 and int64 tables."""
-    rng = np.random.default_rng(seed * 100 + n_runs + per_run)
+@pytest.mark.parametrize("step", [1, 5, 64])
+@pytest.mark.parametrize("groups,size", [(1, 2), (3, 3), (1, 400), (40, 9), (12, 60), (300, 2)])
+def test_group_depths_equal_reference(monkeypatch, seed, step, groups, size):
+    """Groups whose members share a random depth with the leader, some diverging earlier or later
+    (the probe too); groups from column 0; ids past the depth equal by chance; probes sampled
+    every few columns or every one, and with a step grown for many groups; int32 and int64."""
+    monkeypatch.setattr(cf, "_STEP", step)
+    rng = np.random.default_rng(seed * 100 + groups + size)
     width = int(rng.integers(300, 1500))
-    table = rng.integers(0, 1 << 30, size=(n_runs * (per_run + 1), width))
+    table = rng.integers(0, 1 << 30, size=(groups * size, width))
     table = table.astype(np.int64 if seed % 2 else np.int32)
-    rows, leads, start = [], [], []
-    for g in range(n_runs):
-        lead = g * (per_run + 1)
-        depth = int(rng.integers(1, width))
-        for r in range(lead + 1, lead + per_run + 1):
+    a = np.zeros(groups, dtype=np.int64)
+    for g in range(groups):
+        rows = np.arange(g * size, (g + 1) * size)
+        depth = int(rng.integers(0, width))
+        a[g] = int(rng.integers(0, depth + 1)) if rng.random() < 0.8 else 0
+        for r in rows[1:]:
             d = depth if rng.random() < 0.7 else int(rng.integers(0, width))  # some rows diverge elsewhere
-            table[r, :d] = table[lead, :d]
-            rows.append(r)
-            leads.append(lead)
-        start += [int(rng.integers(0, max(1, depth // 2)))] * per_run
-    rows, leads, start = np.array(rows), np.array(leads), np.array(start)
-    lcp0 = lcp_reference(table, rows, leads, np.zeros_like(start), np.full(rows.size, width))
-    start = np.minimum(start, lcp0)  # columns before start must be equal
-    cap = np.maximum(start, rng.integers(0, width + 1, size=rows.size))
-    assert np.array_equal(lcp_with_leaders(table, rows, leads, start, cap), np.minimum(lcp0, cap))
+            table[r, :max(d, a[g])] = table[rows[0], :max(d, a[g])]
+            table[r, d + 1:d + 3] = table[rows[0], d + 1:d + 3]  # equal again just past a mismatch
+    perm = rng.permutation(table.shape[0])  # rows scattered over the table
+    table[perm] = table.copy()
+    rows, gstart = perm, np.arange(0, groups * size, size)
+    cap = np.maximum(a, rng.integers(0, width + 1, size=groups))
+    assert np.array_equal(cf.group_depths(table, rows, gstart, a, cap), depth_reference(table, rows, gstart, a, cap))
 
 
 @pytest.mark.parametrize("block", [5, 64, 1 << 16])
-@pytest.mark.parametrize("one_leader", [False, True])
 @pytest.mark.parametrize("same_range", [False, True])
-def test_first_mismatch_at_range_and_block_edges(monkeypatch, block, one_leader, same_range):
-    """The first mismatch at the first or last column of a row's range, just past it, or nowhere;
-    ranges of one length (one pass) or of many (blocks in order of their ends); row blocks of a
-    few ids, so blocks cut spans at odd places and no span is a multiple of a block."""
+def test_chain_min_at_range_and_block_edges(monkeypatch, block, same_range):
+    """A group's first mismatch at the first or last column of its range, just past it, or
+    nowhere; groups of one range (one pass) or of many (blocks in order of their ends); blocks of
+    a few ids, so blocks cut groups and spans at odd places; pairs across two groups start
+    equal, then differ."""
     monkeypatch.setattr(cf, "_BLOCK", block)
-    rng = np.random.default_rng(block + 2 * one_leader + same_range)
-    width, n = 41, 60
-    table = rng.integers(0, 1 << 30, size=(n + 3, width)).astype(np.int32)
-    leads = np.full(n, n) if one_leader else n + np.arange(n) % 3
-    rows = np.arange(n)
-    a = np.full(n, 3) if same_range else rng.integers(0, width - 1, size=n)
-    b = np.full(n, width) if same_range else rng.integers(a + 1, width + 1)
-    want = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        m = [a[i], b[i] - 1, b[i], width, int(rng.integers(a[i], b[i]))][i % 5]  # where the row differs
-        table[i, :m] = table[leads[i], :m]
+    rng = np.random.default_rng(block + same_range)
+    width, n_groups = 41, 30
+    size = rng.integers(2, 5, size=n_groups)
+    gstart = np.cumsum(size) - size
+    table = rng.integers(0, 1 << 30, size=(int(size.sum()), width)).astype(np.int32)
+    a = np.full(n_groups, 3) if same_range else rng.integers(1, width - 1, size=n_groups)
+    b = np.full(n_groups, width) if same_range else rng.integers(a + 1, width + 1)
+    want = np.empty(n_groups, dtype=np.int64)
+    for g in range(n_groups):
+        m = [a[g], b[g] - 1, b[g], width, int(rng.integers(a[g], b[g]))][g % 5]  # where the group differs
+        rows = np.arange(gstart[g], gstart[g] + size[g])
+        table[rows[1:], :m] = table[rows[0], :m]
         if m < width:
-            table[i, m] = table[leads[i], m] + 1
-        want[i] = min(m, b[i])
-    got = cf._first_mismatch(table, rows, leads, a, b, int((b - a).sum()))
-    assert np.array_equal(got, want)
-    assert np.array_equal(lcp_with_leaders(table, rows, leads, a, b), want)
+            table[rows[-1], m] = table[rows[0], m] + 1
+        want[g] = min(m, b[g])
+    table[:, :a.min()] = table[0, :a.min()]  # so that pairs across groups start equal
+    rows = np.arange(table.shape[0])
+    assert np.array_equal(cf._chain_min(table, rows, gstart, a, b), want)
+    assert np.array_equal(cf.group_depths(table, rows, gstart, a, b), want)
 
 
 def subgroups_reference(gid, key):
@@ -223,6 +232,33 @@ def test_forest_reuse_after_decode_steps(seed):
             check_partition(cp)
         check_exact(q, k, v, torch.from_numpy(table), torch.from_numpy(new_lens.astype(np.int32)), cp, torch.float32)
         bt, lens = torch.from_numpy(table), torch.from_numpy(new_lens)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_forest_reuse_copies_the_partition_only_when_equal(monkeypatch, seed):
+    """A grown step planned with ``forest=``: where only the tails' lengths changed the partition is
+    copied, else made anew; either way it equals the one made from scratch (bit for bit)."""
+    rng = np.random.default_rng(6000 + seed)
+    bs = [4, 16][seed % 2]
+    reqs = (long_forest if seed % 2 else random_forest)(rng, bs, max_depth=1 + seed % 3, max_requests=40)
+    _, _, _, bt, lens = forest_inputs(rng, reqs, bs, 8, 2, 64, torch.float32)
+    programs = [(None, None), (3, 5), (64, 512)][seed % 3]
+    kw = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=bs, device="cpu", cost=CascadeCost(0, 0, 0),
+              node_programs=programs[0], leaf_programs=programs[1])
+    first = pb.plan_cascade(bt, lens, **kw)
+    table, new_lens, _ = grow(rng, bt, lens, bs, 1 << 20)
+    new_lens[::3] = lens.numpy()[::3]  # some requests unchanged, some may now hold a tail
+    copied = []
+    same_tails = cpart._same_tails
+    monkeypatch.setattr(cpart, "_same_tails", lambda *a: copied.append(same_tails(*a)) or copied[-1])
+    got = pb.plan_cascade(table, new_lens, **kw, forest=first)
+    monkeypatch.setattr(cpart, "_same_tails", lambda *a: False)
+    want = pb.plan_cascade(table, new_lens, **kw, forest=first)
+    assert first.is_flat or len(copied) == 1
+    assert torch.equal(got.buffers, want.buffers) and got.views.keys() == want.views.keys()
+    for name in ("block_m", "node_programs", "leaf_programs", "num_node_pieces", "num_leaf_pieces", "num_slots",
+                 "max_merge_len"):
+        assert getattr(got, name) == getattr(want, name)
 
 
 def test_forest_reuse_rejects_a_changed_batch(monkeypatch):

@@ -1,0 +1,258 @@
+"""The work partition of a cascade plan (host numpy), once per step: the node pieces, the tail
+pieces and the merge lists, packed into one int32 array that is copied to the device at once.
+
+- Node work is ``(node, kv_head, row block)`` segments laid end to end; tails are ``(request,
+  kv_head)`` segments. Both are cut stream-K over persistent programs (:func:`cut_pieces`); a
+  piece is its segment's work row, its token range cut where a program run ends.
+- Each piece writes one fp32 partial state per request of its row block (a *slot*), node slots
+  first, in piece order. The merge list of ``(request, kv_head)`` holds its node slots (parents
+  first, a node's pieces in token order), then its tail's: CSR ``req_ptr`` over the lists, ``slots``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels.dispatch import num_sms
+from paged_backend.plan import cut_pieces
+
+NODE_FIELDS = 7  # (rep request, kv_head, member base, members in block, token_start, token_end, slot base)
+LEAF_FIELDS = 5  # (request, kv_head, token_start, token_end, slot) - the decode kernel's pieces
+# Private tails are short (a few pages per request): half-size tiles and 4 programs per SM hide their
+# dependent loads better than the flat decode's 2 x 64 (H200 sweep, 2026-11-21: tails 10-18% faster).
+LEAF_PROGRAMS_PER_SM = 4
+
+
+def choose_block_m(rows: np.ndarray, tokens: np.ndarray, gp: int, head_dim: int, wide: bool = False) -> int:
+    """Rows per node tile: the fewest wasted tile rows, weighing the K/V re-read per row block
+    (bytes ~ 133 flop each on an H100) against the tensor-core work of padded rows. ``wide``: 256-row
+    tiles (16 warps, see kernels/cascade.py) are a candidate too."""
+    sizes = (16, 32, 64, 128, 256) if wide else (16, 32, 64, 128)
+    cands = [bm for bm in sizes if bm >= gp and not (head_dim > 128 and bm > 64)]
+    if not cands:
+        return max(16, gp)
+    if rows.size == 0:
+        return cands[0]
+    bms = np.array(cands)
+    # the tiles' tokens per candidate, times each tile token's cost (integers: exact)
+    costs = (((-rows) // bms[:, None]) @ -tokens) * (4 * head_dim * (133 + bms))  # [C]
+    best, best_cost = cands[0], float(costs[0])
+    for bm, cost in zip(cands[1:], costs[1:].tolist()):
+        if cost < best_cost * 0.999:
+            best, best_cost = bm, float(cost)
+    return best
+
+
+def partition(plan, group: int, node_programs, leaf_programs, block_table_device, wide_tile_flops: float,
+              forest=None) -> None:
+    """Fills ``plan`` (a CascadePlan with its forest) with the partition and its device views.
+    ``wide_tile_flops``: see CascadeCost. ``forest``: the earlier plan whose nodes ``plan`` reuses;
+    its partition is copied where only the tails' lengths changed (the same tails, one piece each,
+    the same programs)."""
+    sms = num_sms(plan.device)
+    gl = leaf_programs or sms * LEAF_PROGRAMS_PER_SM
+    if forest is not None and (node_programs or sms * (1 if forest.block_m >= 128 else 2)) == forest.node_programs \
+            and gl == forest.leaf_programs and _same_tails(plan, forest, gl):
+        src, h = _copy_partition(plan, forest, block_table_device)
+    else:
+        src, h = _new_partition(plan, group, node_programs, gl, sms, block_table_device, wide_tile_flops)
+    upload(plan, src, h, block_table_device)
+    plan.views["node_work"] = plan.views["node_work"].view(-1, NODE_FIELDS)
+    plan.views["leaf_work"] = plan.views["leaf_work"].view(-1, LEAF_FIELDS)
+    plan.partial_o = torch.empty(max(1, plan.num_slots), group, plan.head_dim, dtype=torch.float32, device=plan.device)
+    plan.partial_lse = torch.empty(max(1, plan.num_slots), group, dtype=torch.float32, device=plan.device)
+
+
+def _same_tails(plan, forest, gl: int) -> bool:
+    """The same requests have tails as in ``forest``, one piece per (request, kv_head) then and now
+    (so the same pieces, programs and merge lists: only the tails' lengths differ)."""
+    lens, shared, hkv = plan.seq_lens_host, plan.shared_len_host, plan.num_kv_heads
+    live = lens > shared
+    n = int(np.count_nonzero(live))
+    if forest.num_leaf_pieces != n * hkv or not np.array_equal(live, forest.seq_lens_host > shared):
+        return False
+    if not n:
+        return True
+    lseg, _, lprog, cut_at, _ = cut_pieces(-(-(lens[live] - shared[live]) // plan.block_n), gl, hkv)
+    return not cut_at.size and lseg.size == n * hkv and np.array_equal(lprog, forest.host["leaf_prog_ptr"])
+
+
+def _copy_partition(plan, forest, block_table_device):
+    """``forest``'s partition with this step's lengths. -> the staging (tensor, {part: host view})."""
+    src, h = staging(plan, [(name, v.size) for name, v in forest.host.items() if name != "block_table"],
+                     block_table_device)
+    for name, v in forest.host.items():
+        if name not in ("seq_lens", "block_table"):
+            h[name][:] = v
+    live = plan.seq_lens_host > plan.shared_len_host
+    h["leaf_work"].reshape(-1, plan.num_kv_heads, LEAF_FIELDS)[:, :, 3] = plan.seq_lens_host[live][:, None]
+    h["seq_lens"][:] = plan.seq_lens_host
+    for name in ("block_m", "node_programs", "leaf_programs", "num_node_pieces", "num_leaf_pieces", "num_slots",
+                 "max_merge_len"):
+        setattr(plan, name, getattr(forest, name))
+    return src, h
+
+
+def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_table_device, wide_tile_flops):
+    """The partition from scratch. -> the staging (tensor, {part: host view})."""
+    hkv, d, bsz, nbn, bn = plan.num_kv_heads, plan.head_dim, plan.batch_size, plan.node_block_n, plan.block_n
+    ptr, members, lens, shared = plan.node_ptr, plan.node_members, plan.seq_lens_host, plan.shared_len_host
+    start, end = plan.node_start, plan.node_end
+    gp = 1 << max(0, (group - 1).bit_length())
+    sizes = ptr[1:] - ptr[:-1]
+    flops = float((sizes * (end - start)).sum()) * group * 4 * d * hkv  # the node GEMMs, unpadded
+    bm = choose_block_m(sizes * gp, end - start, gp, d, wide=flops >= wide_tile_flops * (node_programs or sms))
+    mpb = bm // gp
+    gn = node_programs or sms * (1 if bm >= 128 else 2)
+    plan.block_m, plan.node_programs, plan.leaf_programs = bm, int(gn), int(gl)
+    # --- node segments: (node, kv_head, row block), laid end to end
+    nrb = -(-sizes // mpb)
+    per_node = hkv * nrb
+    node = np.arange(sizes.size).repeat(per_node)  # [S] each segment's node
+    seg0 = np.cumsum(per_node) - per_node  # [K] each node's first segment
+    kvh, rb = np.divmod(np.arange(node.size) - seg0[node], nrb[node])
+    mbase = ptr[node] + rb * mpb  # [S] the row block's first membership
+    n_in = np.minimum(ptr[node + 1] - mbase, mpb)  # [S] and its members
+    seg, seg_ptr, nprog, cut_at, cut_off = cut_pieces(-(-(end - start) // nbn), gn, per_node)
+    n_node_slots = int(n_in.sum() + n_in[seg[cut_at]].sum())
+    # --- tails: (request, kv_head) segments of the requests with a private tail
+    live = (lens > shared).nonzero()[0]
+    if live.size:
+        lseg, lseg_ptr, lprog, lcut_at, lcut_off = cut_pieces(-(-(lens[live] - shared[live]) // bn), gl, hkv)
+    else:  # every request lies wholly in nodes
+        lseg = lcut_at = lcut_off = np.zeros(0, np.int64)
+        lseg_ptr, lprog = np.zeros(1, np.int64), np.zeros(gl + 1, np.int64)
+    n_leaf = lseg.size
+    src, h = staging(plan, [("node_work", seg.size * NODE_FIELDS), ("node_prog_ptr", nprog.size),
+                            ("leaf_work", n_leaf * LEAF_FIELDS), ("leaf_prog_ptr", lprog.size),
+                            ("req_ptr", bsz * hkv + 1), ("slots", n_node_slots + n_leaf),
+                            ("members", members.size), ("seq_lens", bsz)], block_table_device)
+    # node pieces: their segment's row (a copy when segments are cut), then the cut token ranges
+    work = h["node_work"].reshape(-1, NODE_FIELDS)
+    rows = np.empty((node.size, NODE_FIELDS), np.int32) if cut_at.size else work
+    for col, val in enumerate((members[ptr[:-1]][node], kvh, mbase, n_in, start[node], end[node])):
+        rows[:, col] = val
+    if cut_at.size:
+        np.take(rows, seg, axis=0, out=work, mode="clip")
+        tok = work[cut_at, 4] + cut_off * nbn
+        work[cut_at, 4] = tok
+        work[cut_at - 1, 5] = tok
+    slot_base = np.cumsum(work[:, 3], dtype=np.int64)
+    slot_base -= work[:, 3]
+    work[:, 6] = slot_base
+    h["node_prog_ptr"][:] = nprog
+    # tail pieces likewise: (request, kv_head, shared, seq_len, slot)
+    if n_leaf:
+        lwork = h["leaf_work"].reshape(-1, LEAF_FIELDS)
+        rows = np.empty((live.size * hkv, LEAF_FIELDS), np.int32) if lcut_at.size else lwork
+        w = rows.reshape(live.size, hkv, LEAF_FIELDS)
+        for col, val in enumerate((live[:, None], np.arange(hkv), shared[live][:, None], lens[live][:, None])):
+            w[:, :, col] = val
+        if lcut_at.size:
+            np.take(rows, lseg, axis=0, out=lwork, mode="clip")
+            tok = lwork[lcut_at, 2] + lcut_off * bn
+            lwork[lcut_at, 2] = tok
+            lwork[lcut_at - 1, 3] = tok
+        lwork[:, 4] = np.arange(n_node_slots, n_node_slots + n_leaf)
+    h["leaf_prog_ptr"][:] = lprog
+    h["members"][:] = members
+    h["seq_lens"][:] = lens
+    count = _merge_lists(plan, h, kvh, mbase, n_in, nrb, seg0, seg, seg_ptr, cut_at, slot_base, mpb,
+                         live, lseg, lseg_ptr, n_node_slots)
+    plan.num_node_pieces, plan.num_leaf_pieces = int(seg.size), int(n_leaf)
+    plan.num_slots = n_node_slots + int(n_leaf)
+    plan.max_merge_len = int(count.max())
+    return src, h
+
+
+def _merge_lists(plan, h, kvh, mbase, n_in, nrb, seg0, seg, seg_ptr, cut_at, slot_base, mpb,
+                 live, lseg, lseg_ptr, n_node_slots) -> np.ndarray:
+    """Writes ``req_ptr`` and ``slots``; -> the list lengths ``[B * Hkv]``.
+
+    A node's level is its place in each member's chain of nodes, so in a list the slots of a
+    level-``l`` node follow one per level above, plus the extra pieces of cut segments above (a
+    segment is one piece unless a program run ends in it). Each (membership, kv_head) takes its
+    segment's first slot, the pieces after a cut the next positions; the tails' slots come last.
+    (Row takes and broadcasts along the long axis: numpy is slowest along a short inner axis.)"""
+    hkv, bsz = plan.num_kv_heads, plan.batch_size
+    ptr, members, level = plan.node_ptr, plan.node_members, plan.node_level
+    sizes = ptr[1:] - ptr[:-1]
+    km = np.arange(sizes.size).repeat(sizes)  # [M] each membership's node
+    lvm = level[km]
+    count = np.bincount(members, minlength=bsz)  # node slots per list without cuts: one per level
+    if lseg.size == live.size * hkv:  # one piece per tail
+        count[live] += 1
+        count = count.repeat(hkv)
+    else:
+        count = count.repeat(hkv)
+        count.reshape(bsz, hkv)[live] += (lseg_ptr[1:] - lseg_ptr[:-1]).reshape(live.size, hkv)
+    more = np.ones((int(level.max()) + 1, 1), dtype=np.int64)  # [L, B * Hkv] node slots per level
+    if cut_at.size:  # the pieces after a cut: a slot more for each member of their row block
+        s = seg[cut_at]
+        em, n = _memberships(mbase[s], n_in[s])
+        eh = kvh[s].repeat(n)
+        more = more + np.bincount(lvm[em] * count.size + members[em] * hkv + eh,
+                                  minlength=more.size * count.size).reshape(more.size, -1)
+        count += more.sum(axis=0) - more.shape[0]
+    rp = np.empty(count.size + 1, dtype=np.int64)  # req_ptr (int64: positions index with it)
+    rp[0] = 0
+    np.cumsum(count, out=rp[1:])
+    h["req_ptr"][:] = rp
+    # each list's first position per level: its start, then the slots of the levels above
+    first = np.empty((more.shape[0], count.size), dtype=np.int64)
+    first[0] = rp[:-1]
+    for lv in range(1, first.shape[0]):
+        np.add(first[lv - 1], more[lv - 1], out=first[lv])
+    at = first.reshape(-1, hkv).take(lvm * bsz + members, axis=0)  # [M, Hkv]
+    rbm, jm = np.divmod(np.arange(members.size) - ptr[km], mpb)
+    heads = np.arange(hkv)[:, None]
+    slots = h["slots"]
+    slots[at.T] = slot_base[seg_ptr[:-1]][(seg0[km] + rbm) + heads * nrb[km]] + jm  # [Hkv, M]
+    if cut_at.size:  # the pieces after a cut: the next positions of their members' lists
+        pos = at.reshape(-1)[em * hkv + eh]
+        pos += (cut_at - seg_ptr[s]).repeat(n)
+        slots[pos] = (slot_base[cut_at] - mbase[s]).repeat(n) + em
+    # tail slots: the last of each list, in piece order
+    if lseg.size == live.size * hkv:  # one piece per tail
+        last = rp[1:] if live.size == bsz else rp[1:].reshape(bsz, hkv)[live].reshape(-1)
+        slots[last - 1] = np.arange(n_node_slots, n_node_slots + lseg.size)
+    else:
+        last = rp[1:].reshape(bsz, hkv)[live].reshape(-1) - lseg_ptr[1:]  # [live * Hkv]
+        slots[last[lseg] + np.arange(lseg.size)] = np.arange(n_node_slots, n_node_slots + lseg.size)
+    return count
+
+
+def _memberships(base: np.ndarray, n: np.ndarray):
+    """The runs ``base[i] .. base[i] + n[i]`` end to end. -> (indices, n)."""
+    return (base - np.cumsum(n) + n).repeat(n) + np.arange(int(n.sum())), n
+
+
+def staging(plan, parts, block_table_device):
+    """One int32 host array (pinned for a CUDA device) cut into the named parts ``[(name, size)]``,
+    the block table last unless it is already on the device. -> (tensor, {name: host view})."""
+    if block_table_device is None:
+        parts = parts + [("block_table", plan.block_table_host.size)]
+    src = torch.empty(sum(n for _, n in parts), dtype=torch.int32, pin_memory=plan.device.type == "cuda")
+    host, at, views = src.numpy(), 0, {}
+    for name, n in parts:
+        views[name] = host[at: at + n]
+        at += n
+    if block_table_device is None:
+        views["block_table"].reshape(plan.block_table_host.shape)[...] = plan.block_table_host
+    return src, views
+
+
+def upload(plan, src: torch.Tensor, host_views: dict, block_table_device) -> None:
+    """Copies the filled staging array to the device at once and makes device views of its parts."""
+    plan.host = host_views
+    if plan.device.type == "cpu":
+        plan.buffers = src  # already where the kernels read it
+    else:
+        plan.buffers = torch.empty(src.numel(), dtype=torch.int32, device=plan.device)
+        plan.buffers.copy_(src, non_blocking=True)
+    parts = plan.buffers.split([v.size for v in host_views.values()])
+    plan.views.update(zip(host_views, parts))
+    if block_table_device is not None:
+        plan.views["block_table"] = block_table_device
+    else:
+        plan.views["block_table"] = plan.views["block_table"].view(plan.batch_size, plan.block_table_host.shape[1])
