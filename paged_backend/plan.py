@@ -211,7 +211,7 @@ class DecodePlan:
     _req_bounds: np.ndarray = field(default=None, repr=False)  # [B + 1] scratch
     _units: np.ndarray = field(default=None, repr=False)  # tiles per request of the partition
     _last: np.ndarray = field(default=None, repr=False)  # [S] each segment's last piece, once asked for
-    _staging: list = field(default=None, repr=False)  # 2 pinned tensors
+    _staging: list = field(default=None, repr=False)  # 2 pinned tensors, alternated (each made on first use)
     _staging_host: list = field(default=None, repr=False)  # their numpy views
     _copied: list = field(default=None, repr=False)
     _flip: int = 0
@@ -267,15 +267,17 @@ class DecodePlan:
         # Two pinned staging buffers, alternated: the CPU may run a step ahead of the GPU, so a
         # buffer is rewritten only after its previous copy has been done (its event).
         i = self._flip = 1 - self._flip
-        if self._copied[i] is not None:
-            self._copied[i].synchronize()
-        # Only the live work rows and the pointers: rows past num_pieces are never read.
+        if self._staging[i] is None:  # made on first use: a new plan pins one buffer, not two
+            self._staging[i] = torch.empty(self._host.size, dtype=torch.int32, pin_memory=True)
+            self._staging_host[i] = self._staging[i].numpy()
+        self._copied[i].synchronize()  # (returns at once if never recorded)
+        # Only the live work rows and the pointers: rows past num_pieces are never read, so the
+        # rest of the buffers may hold anything.
         host, staging, live = self._host, self._staging_host[i], self.num_pieces * WORK_FIELDS
         staging[:live] = host[:live]
         tail = self._prog_ptr.size + self._seg_ptr.size
         staging[-tail:] = host[-tail:]
         self.buffers.copy_(self._staging[i], non_blocking=True)
-        self._copied[i] = torch.cuda.Event()
         self._copied[i].record()
         return self
 
@@ -287,10 +289,10 @@ class DecodePlan:
         self.partial_lse = torch.empty(rows, group, dtype=torch.float32, device=dev)
         self._host = np.zeros(size, dtype=np.int32)
         if dev.type == "cuda":
-            self.buffers = torch.zeros(size, dtype=torch.int32, device=dev)
-            self._staging = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in range(2)]
-            self._staging_host = [t.numpy() for t in self._staging]
-            self._copied, self._flip = [None, None], 0
+            # No fills: every part a kernel reads is written by the first copy.
+            self.buffers = torch.empty(size, dtype=torch.int32, device=dev)
+            self._staging, self._staging_host = [None, None], [None, None]
+            self._copied, self._flip = [torch.cuda.Event(), torch.cuda.Event()], 0
         else:
             # The host array is the buffer. (np.zeros, not torch.zeros: torch fills through its
             # thread pool, which took milliseconds for 0.7 MB on a busy 2-core machine.)
