@@ -185,8 +185,9 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
     """q [B, Hq, D]; caches [NB, BS, Hkv, D]; writes out [B, Hq, D] and lse [B, Hq] (fp32, ln)."""
     if q.shape[0] == 0:
         return
+    tile_n, stages = plan.kernel_tile
     run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan.partial_o, plan.partial_lse,
-               plan.work, plan.prog_ptr, plan.num_programs, plan.block_n, scale)
+               plan.work, plan.prog_ptr, plan.num_programs, tile_n, scale, num_stages=stages)
     # A segment of one piece wrote out/lse itself; split segments are folded in piece order. A
     # stream-K run of G programs over S segments gives each at most ~G/S + 2 pieces.
     segments = q.shape[0] * k_cache.shape[2]

@@ -84,6 +84,23 @@ def test_any_plan_is_exact(mode, num_programs):
     run_case([1, 130, 0, 64, 65], 8, 2, 64, 4, torch.float32, plan_mode=mode, num_programs=num_programs)
 
 
+def test_whole_segments_take_long_tiles():
+    """A plan that cuts no segment runs 128-token kernel tiles in 2 stages over its 16-token units:
+    exact for lengths that are not multiples of the tile; a split plan keeps its units as tiles."""
+    lens = [300, 0, 129, 1, 257, 128]
+    q, k, v, bt, sl = make_decode_inputs(lens, 8, 2, 64, 16, torch.float32)
+    kw = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, device="cpu", block_n=16)
+    plan = pb.plan_decode(sl, **kw, num_programs=1)
+    assert plan.whole and plan.kernel_tile == (128, 2)
+    out, lse = pb.paged_decode(q, k, v, bt, sl, plan=plan)
+    assert_close_state(out, lse, *decode_reference(q, k, v, bt, sl), torch.float32)
+    split = pb.plan_decode(sl, **kw, num_programs=64)
+    assert not split.whole and split.kernel_tile == (16, 3)
+    assert plan.update(sl + 1).whole and plan.num_pieces == 12  # a decode step: still whole segments
+    wide = pb.plan_decode(sl, **{**kw, "head_dim": 256}, num_programs=1)
+    assert wide.whole and wide.kernel_tile == (16, 3)  # D = 256: shared memory holds no longer tiles
+
+
 def test_many_pieces_per_segment():
     # 63 pieces per segment: the fix-up merges them in several chunks.
     run_case([1000, 2], 4, 1, 64, 16, torch.float32, plan_mode="stream_k", num_programs=100)
@@ -151,6 +168,20 @@ def test_gpu_large(dtype, mode):
     out, lse = pb.paged_decode(q, k, v, bt, sl, plan=plan)
     ref_o, ref_lse = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu())
     assert_close_state(out, lse, ref_o, ref_lse, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_whole_segments_long_tiles():
+    """64 requests of 4033-4096 tokens (64 tiles each, not multiples of 128 tokens): the default plan
+    cuts no segment, so the kernel runs 128-token tiles."""
+    lens = [4096 - i % 64 for i in range(64)]
+    q, k, v, bt, sl = make_decode_inputs(lens, 32, 8, 128, 16, torch.bfloat16, device="cuda", layout="vllm")
+    plan = pb.plan_decode(lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda")
+    assert plan.whole and plan.kernel_tile == (128, 2)
+    out, lse = pb.paged_decode(q, k, v, bt, sl, plan=plan)
+    ref_o, ref_lse = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu())
+    assert_close_state(out, lse, ref_o, ref_lse, torch.bfloat16)
 
 
 @pytest.mark.gpu
