@@ -51,7 +51,7 @@ def partition(plan, group: int, node_programs, leaf_programs, block_table_device
     the same programs)."""
     sms = num_sms(plan.device)
     gl = leaf_programs or sms * LEAF_PROGRAMS_PER_SM
-    if forest is not None and (node_programs or sms * (1 if forest.block_m >= 128 else 2)) == forest.node_programs \
+    if forest is not None and _node_grid(node_programs, sms, forest.block_m) == forest.node_programs \
             and gl == forest.leaf_programs and _same_tails(plan, forest, gl):
         src, h = _copy_partition(plan, forest, block_table_device)
     else:
@@ -61,6 +61,12 @@ def partition(plan, group: int, node_programs, leaf_programs, block_table_device
     plan.views["leaf_work"] = plan.views["leaf_work"].view(-1, LEAF_FIELDS)
     plan.partial_o = torch.empty(max(1, plan.num_slots), group, plan.head_dim, dtype=torch.float32, device=plan.device)
     plan.partial_lse = torch.empty(max(1, plan.num_slots), group, dtype=torch.float32, device=plan.device)
+
+
+def _node_grid(node_programs, sms: int, block_m: int) -> int:
+    """The node kernel's persistent grid: the override, else one program per SM for tiles of
+    >= 128 rows (8-16 warps) and two for smaller ones."""
+    return node_programs or sms * (1 if block_m >= 128 else 2)
 
 
 def _same_tails(plan, forest, gl: int) -> bool:
@@ -103,7 +109,7 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     flops = float((sizes * (end - start)).sum()) * group * 4 * d * hkv  # the node GEMMs, unpadded
     bm = choose_block_m(sizes * gp, end - start, gp, d, wide=flops >= wide_tile_flops * (node_programs or sms))
     mpb = bm // gp
-    gn = node_programs or sms * (1 if bm >= 128 else 2)
+    gn = _node_grid(node_programs, sms, bm)
     plan.block_m, plan.node_programs, plan.leaf_programs = bm, int(gn), int(gl)
     # --- node segments: (node, kv_head, row block), laid end to end
     nrb = -(-sizes // mpb)

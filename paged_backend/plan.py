@@ -218,7 +218,11 @@ class DecodePlan:
     _views: tuple = field(default=None, repr=False)  # work, prog_ptr, seg_ptr: views of buffers, made once
     # (seq_lens_host, its max) as of the last update; paged_decode uses the max while the array is the same
     host_max: tuple = field(default=(None, 0), repr=False)
-    whole: bool = False  # the last partition cut no segment (one piece per segment)
+
+    @property
+    def whole(self) -> bool:
+        """The partition cut no segment: one piece per segment (every segment has at least one)."""
+        return self.num_pieces == self.batch_size * self.num_kv_heads
 
     @property
     def kernel_tile(self) -> tuple:
@@ -335,7 +339,7 @@ class DecodePlan:
                 self._last = self._seg_ptr[1:] - 1
             work[self._last, 3] = lens.repeat(hkv)
             return
-        self._units, self._last, self.whole = units, None, False
+        self._units, self._last = units, None
         self._whole_lens[:] = lens[:, None]
         s = self._whole_rows.size
         if self.mode == "stream_k":
@@ -373,7 +377,6 @@ class DecodePlan:
 
     def _write_whole(self, prog_ptr: np.ndarray) -> None:
         """No segment is cut: one piece per segment."""
-        self.whole = True
         s = self._whole_rows.size
         self._rows[:s] = self._whole_rows
         self._seg_ptr[:] = self._ramp[: s + 1]
