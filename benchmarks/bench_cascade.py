@@ -8,8 +8,9 @@ Cases are prefix/n/suffix (n samples share a prefix, each has its own suffix) pl
 2048-token system prompt shared by 32 prompts of 4096 tokens x 8 samples with 256-token tails.
 bf16, Hq 32, Hkv 8, D 128, page 16, pages shuffled. ``floor%`` = unique KV bytes (each shared
 prefix once + the suffixes) / time, as % of the copy bandwidth measured in the same run.
-Also times ``plan_cascade`` on 1024 requests x 2K blocks (host, target < 1 ms), new and with the
-forest of the previous step reused (``forest=``).
+Also times ``plan_cascade`` on 1024 requests x 2K blocks (host, target < 1 ms), new, with the
+forest of the previous step reused (``forest=``), and with it restricted to the requests left after
+32 finished (``forest_rows=``).
 Failures (ours or a peer) are recorded, never fatal.
 """
 from __future__ import annotations
@@ -151,8 +152,18 @@ def plan_timing(quick: bool) -> dict:
         t0 = time.perf_counter()
         pb.plan_cascade(table, lens + 1, **kw, forest=cplan)
         reuse.append(time.perf_counter() - t0)
+    # a step after 32 samples finished: the forest restricted to the requests left (forest_rows)
+    rows = np.sort(rng.permutation(bsz)[: bsz - bsz // 32])
+    left = np.ascontiguousarray(table[rows])
+    kw_left = {**kw, "block_table_device": torch.from_numpy(left).to(dev)}
+    removal = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        pb.plan_cascade(left, lens[rows] + 1, **kw_left, forest=cplan, forest_rows=rows)
+        removal.append(time.perf_counter() - t0)
     return {"requests": bsz, "blocks": width, "nodes": cplan.num_nodes, "median_ms": float(np.median(times) * 1e3),
-            "min_ms": float(min(times) * 1e3), "reuse_median_ms": float(np.median(reuse) * 1e3)}
+            "min_ms": float(min(times) * 1e3), "reuse_median_ms": float(np.median(reuse) * 1e3),
+            "removal_median_ms": float(np.median(removal) * 1e3)}
 
 
 def main():

@@ -11,10 +11,9 @@ import numpy as np
 import torch
 
 from kernels.cascade import cascade_torch, cascade_triton
-from kernels.checks import HEAD_DIMS, check_attention_inputs, check_heads, check_plan_matches, debug_enabled
+from kernels.checks import HEAD_DIMS, check_attention_inputs, check_heads, check_plan_matches
 from kernels.decode import decode_triton
 from kernels.dispatch import use_triton
-from paged_backend.cascade_forest import group_depths
 from paged_backend.cascade_plan import CascadeCost, CascadePlan, build_plan
 
 __all__ = ["CascadePlan", "CascadeCost", "plan_cascade", "cascade_decode"]
@@ -76,7 +75,8 @@ def _host_array(name, x, ndim):
 def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, device=None, groups=None, cost: CascadeCost | None = None,
                  node_programs: int | None = None, leaf_programs: int | None = None,
-                 block_table_device: torch.Tensor | None = None, forest: CascadePlan | None = None) -> CascadePlan:
+                 block_table_device: torch.Tensor | None = None, forest: CascadePlan | None = None,
+                 forest_rows=None) -> CascadePlan:
     """Plan one cascade decode step from host metadata (see module doc).
 
     ``block_table_cpu [B, max_blocks]`` and ``seq_lens_cpu [B]``: host (CPU tensor / numpy) copies.
@@ -85,12 +85,16 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
     the :class:`CascadeCost` deciding which nodes pay off. ``node_programs`` / ``leaf_programs``
     override the persistent grids (default SMs x occupancy). ``block_table_device``: the same table
     already on ``device`` (int32, any strides): the kernels read it instead of a fresh copy.
-    ``forest``: the plan of an earlier step of the same batch (same requests in the same order) whose
-    shared blocks are unchanged, as in decode steps that only append private blocks: its nodes are
-    reused (finding and verifying the forest is most of the cost), and its partition too where only
-    the tails' lengths changed (the same requests with tails, one piece each); else the partition is
-    redone. Each request must still hold its shared blocks in full, and every member's last shared block is
-    compared with its node's (the whole shared ranges with ``PAGED_BACKEND_DEBUG=1``).
+    ``forest``: the plan of an earlier step whose shared blocks are unchanged, as in decode steps that
+    only append private blocks: its nodes are reused (finding and verifying the forest is most of
+    the cost), and its partition too where only the tails' lengths changed (the same requests with
+    tails, one piece each); else the partition is redone. Without ``forest_rows`` the batch is the
+    same (same requests in the same order). ``forest_rows [B]``: the batch lost requests since (or
+    was reordered): each request's batch index in ``forest``'s step, distinct; its nodes are kept
+    with the members left (see :mod:`paged_backend.cascade_reuse`). A request new since then needs
+    a plan without ``forest``. Each request must still hold its shared blocks in full, and every
+    member's last shared block is compared with its node's (the whole shared ranges with
+    ``PAGED_BACKEND_DEBUG=1``).
     """
     table = _host_array("block_table_cpu", block_table_cpu, 2)
     lens = _host_array("seq_lens_cpu", seq_lens_cpu, 1).astype(np.int64)
@@ -133,52 +137,43 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
                 or block_table_device.shape[1] < min(table.shape[1], -(-int(lens.max() if lens.size else 0) // block_size)):
             raise ValueError("block_table_device must be an int32 [B, >= blocks in use] tensor on "
                              f"{device} holding block_table_cpu's ids")
+    rows = None
     if forest is not None:
-        _check_forest(forest, table, lens, groups, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                      head_dim=head_dim, block_size=block_size)
+        rows = _check_forest(forest, groups, forest_rows, lens.size, num_q_heads=num_q_heads,
+                             num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    elif forest_rows is not None:
+        raise ValueError("forest_rows needs forest (the plan whose batch it indexes)")
     return build_plan(table, lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                       block_size=block_size, device=device, groups=groups, cost=cost,
                       node_programs=node_programs, leaf_programs=leaf_programs,
-                      block_table_device=block_table_device, forest=forest)
+                      block_table_device=block_table_device, forest=forest, forest_rows=rows)
 
 
-def _check_forest(forest, table, lens, groups, **shape) -> None:
-    """``forest`` (an earlier CascadePlan) still describes ``table``: same batch and shapes, every
-    request holds its shared blocks in full, and each member's last shared block id (every shared id
-    with PAGED_BACKEND_DEBUG=1) equals its node's first member's."""
+def _check_forest(forest, groups, forest_rows, batch: int, **shape):
+    """``forest`` (an earlier CascadePlan) fits this step: same shapes, and the same batch or, with
+    ``forest_rows``, a batch of some of its requests. -> the rows as int64 (None: the same batch).
+    Whether the shared blocks still hold is checked on the nodes reused (``check_held``)."""
     if not isinstance(forest, CascadePlan):
         raise TypeError(f"forest must be a CascadePlan from pb.plan_cascade, got {type(forest).__name__}")
     if groups is not None:
         raise ValueError("give groups or forest, not both (forest reuses an earlier plan's nodes)")
-    shape["batch_size"] = lens.size
     for name, want in shape.items():
         if getattr(forest, name) != want:
             raise ValueError(f"forest was planned with {name}={getattr(forest, name)}, this step has {want}")
-    bs, full = forest.block_size, lens // forest.block_size
-    if (full < forest.shared_len_host // bs).any():
-        b = int(np.flatnonzero(full < forest.shared_len_host // bs)[0])
-        raise ValueError(f"forest shares {forest.shared_len_host[b]} tokens of request {b}, which now holds "
-                         f"{lens[b]}: plan this step without forest")
-    if forest.is_flat:
-        return
-    ptr, members = forest.node_ptr, forest.node_members
-    first, last = forest.node_start // bs, forest.node_end // bs
-    if debug_enabled():
-        bad = (group_depths(table, members, ptr[:-1], first, last) < last).nonzero()[0]
-        if bad.size:  # the first such node (its ancestors, listed before it, hold theirs): which member
-            k = int(bad[0])
-            m = members[ptr[k]:ptr[k + 1]]
-            diff = (table[m, first[k]:last[k]] != table[m[0], first[k]:last[k]]).any(axis=1)
-            _not_held(m[diff.argmax()])
-        return
-    sizes = np.diff(ptr)
-    node = np.repeat(np.arange(sizes.size), sizes)  # [M] node of each membership
-    held = table[members, last[node] - 1]  # each member's last shared block
-    bad = held != held[ptr[:-1]][node]
-    if bad.any():
-        _not_held(members[np.flatnonzero(bad)[0]])
-
-
-def _not_held(b) -> None:
-    raise ValueError(f"block_table_cpu row {int(b)} no longer holds the shared blocks of forest's node: "
-                     "plan this step without forest")
+    if forest_rows is None:
+        if forest.batch_size != batch:
+            raise ValueError(f"forest was planned with batch_size={forest.batch_size}, this step has {batch} "
+                             "(for a batch that lost requests, give forest_rows)")
+        return None
+    rows = _host_array("forest_rows", forest_rows, 1)
+    if rows.size != batch:
+        raise ValueError(f"forest_rows must have one entry per request ({batch}), got {rows.size}")
+    rows = rows.astype(np.int64)
+    if rows.size and (rows.min() < 0 or rows.max() >= forest.batch_size):
+        raise ValueError(f"forest_rows must hold forest's batch indices in [0, {forest.batch_size}) "
+                         "(a request new since forest's step needs a plan without forest)")
+    seen = np.zeros(forest.batch_size, dtype=bool)
+    seen[rows] = True
+    if np.count_nonzero(seen) != rows.size:
+        raise ValueError("forest_rows repeats a batch index")
+    return rows

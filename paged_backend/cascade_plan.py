@@ -25,6 +25,7 @@ import torch
 from kernels.checks import debug_enabled
 from paged_backend.cascade_forest import auto_forest, group_forest
 from paged_backend.cascade_partition import LEAF_FIELDS, NODE_FIELDS, partition, staging, upload
+from paged_backend.cascade_reuse import check_held, restrict_forest
 from paged_backend.plan import block_n_for, plan_decode
 
 __all__ = ["CascadeCost", "CascadePlan", "build_plan", "NODE_FIELDS", "LEAF_FIELDS"]
@@ -109,7 +110,7 @@ class CascadePlan:
 
 
 def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, device, groups, cost,
-               node_programs, leaf_programs, block_table_device=None, forest=None) -> CascadePlan:
+               node_programs, leaf_programs, block_table_device=None, forest=None, forest_rows=None) -> CascadePlan:
     hq, hkv, d, bs = num_q_heads, num_kv_heads, head_dim, block_size
     bsz = lens.size
     group = hq // hkv
@@ -126,13 +127,17 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
     if forest is not None:  # an earlier step's nodes, already folded by the cost model
         ptr, members, level = forest.node_ptr, forest.node_members, forest.node_level
         nstart, nend, kd = forest.node_start // bs, forest.node_end // bs, forest.shared_len_host // bs
+        if forest_rows is not None:  # a batch of some of its requests
+            ptr, members, nstart, nend, level, kd = restrict_forest(ptr, members, nstart, nend, level, forest_rows,
+                                                                    forest.batch_size, pays)
+        check_held(table, lens, bs, ptr, members, nstart, nend, kd, debug_enabled())
     elif groups is None:
         ptr, members, nstart, nend, level, kd = auto_forest(table, full, pays)
     else:
         ptr, members, nstart, nend, level, kd = group_forest(table, full, groups, pays)
     sizes = np.diff(ptr)
     saved_total = float(((sizes - 1) * (nend - nstart)).sum()) * bs * kv_tok
-    if forest is None and sizes.size and saved_total < cost.min_total_bytes:
+    if (forest is None or forest_rows is not None) and sizes.size and saved_total < cost.min_total_bytes:
         ptr, members, nstart, nend, level = ptr[:1], members[:0], nstart[:0], nend[:0], level[:0]
         kd = np.zeros(bsz, dtype=np.int64)
     # a view (copied once into the device buffer); at least one column so the views stay 2-D
@@ -155,5 +160,6 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
         h["seq_lens"][:] = lens
         upload(plan, src, h, block_table_device)
         return plan
-    partition(plan, group, node_programs, leaf_programs, block_table_device, cost.wide_tile_flops, forest)
+    partition(plan, group, node_programs, leaf_programs, block_table_device, cost.wide_tile_flops,
+              forest if forest_rows is None else None)
     return plan
