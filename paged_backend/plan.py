@@ -211,10 +211,6 @@ class DecodePlan:
     _req_bounds: np.ndarray = field(default=None, repr=False)  # [B + 1] scratch
     _units: np.ndarray = field(default=None, repr=False)  # tiles per request of the partition
     _last: np.ndarray = field(default=None, repr=False)  # [S] each segment's last piece, once asked for
-    _staging: list = field(default=None, repr=False)  # 2 pinned tensors, alternated (each made on first use)
-    _staging_host: list = field(default=None, repr=False)  # their numpy views
-    _copied: list = field(default=None, repr=False)
-    _flip: int = 0
     _views: tuple = field(default=None, repr=False)  # work, prog_ptr, seg_ptr: views of buffers, made once
     # (seq_lens_host, its max) as of the last update; paged_decode uses the max while the array is the same
     host_max: tuple = field(default=(None, 0), repr=False)
@@ -280,21 +276,18 @@ class DecodePlan:
         self._partition(lens)
         if self.device.type != "cuda":
             return self  # _host is the buffer itself
-        # Two pinned staging buffers, alternated: the CPU may run a step ahead of the GPU, so a
-        # buffer is rewritten only after its previous copy has been done (its event).
-        i = self._flip = 1 - self._flip
-        if self._staging[i] is None:  # made on first use: a new plan pins one buffer, not two
-            self._staging[i] = torch.empty(self._host.size, dtype=torch.int32, pin_memory=True)
-            self._staging_host[i] = self._staging[i].numpy()
-        self._copied[i].synchronize()  # (returns at once if never recorded)
+        # A fresh pinned staging array per update: the CPU may run steps ahead of the GPU, and
+        # torch's pinned-memory cache gives a block out again only once the copies that read it
+        # are done (it records an event per asynchronous copy). (Two buffers alternated behind
+        # events of our own cost more: a new event's first record took ~45 us on an H100 host.)
+        staging = torch.empty(self._host.size, dtype=torch.int32, pin_memory=True)
         # Only the live work rows and the pointers: rows past num_pieces are never read, so the
         # rest of the buffers may hold anything.
-        host, staging, live = self._host, self._staging_host[i], self.num_pieces * WORK_FIELDS
-        staging[:live] = host[:live]
+        host, dst, live = self._host, staging.numpy(), self.num_pieces * WORK_FIELDS
+        dst[:live] = host[:live]
         tail = self._prog_ptr.size + self._seg_ptr.size
-        staging[-tail:] = host[-tail:]
-        self.buffers.copy_(self._staging[i], non_blocking=True)
-        self._copied[i].record()
+        dst[-tail:] = host[-tail:]
+        self.buffers.copy_(staging, non_blocking=True)
         return self
 
     def _allocate(self) -> None:
@@ -307,15 +300,13 @@ class DecodePlan:
         if dev.type == "cuda":
             # No fills: every part a kernel reads is written by the first copy.
             self.buffers = torch.empty(size, dtype=torch.int32, device=dev)
-            self._staging, self._staging_host = [None, None], [None, None]
-            self._copied, self._flip = [torch.cuda.Event(), torch.cuda.Event()], 0
         else:
             # The host array is the buffer. (np.zeros, not torch.zeros: torch fills through its
             # thread pool, which took milliseconds for 0.7 MB on a busy 2-core machine.)
             self.buffers = torch.from_numpy(self._host)
         at = rows * WORK_FIELDS
-        self._views = (self.buffers[:at].view(rows, WORK_FIELDS), self.buffers[at: at + self.num_programs + 1],
-                       self.buffers[at + self.num_programs + 1:])
+        work, prog_ptr, seg_ptr = self.buffers.split([at, self.num_programs + 1, b * hkv + 1])  # (one call)
+        self._views = (work.view(rows, WORK_FIELDS), prog_ptr, seg_ptr)
         self._work = self._host[:at].reshape(rows, WORK_FIELDS)
         self._rows = self._host[:at].view(ROW)
         self._prog_ptr = self._host[at: at + self.num_programs + 1]

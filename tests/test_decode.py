@@ -198,6 +198,27 @@ def test_gpu_deterministic_under_stream_k():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_updates_while_the_gpu_is_busy():
+    """The host plans several steps ahead of a busy GPU: each step's copy must still read that
+    step's partition (no staging array rewritten before its copy ran)."""
+    q, k, v, bt, sl = make_decode_inputs([40000] * 4, 32, 8, 128, 16, torch.bfloat16, device="cuda")
+    steps = ([40000, 17, 300, 5000], [1, 39000, 2, 0], [20000, 20000, 1, 40000], [5, 6, 7, 8])
+    plan = pb.plan_decode(steps[0], num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda")
+    pb.paged_decode(q, k, v, bt, sl, plan=plan)  # compiled before the GPU is kept busy
+    torch.cuda.synchronize()
+    lens_dev = [torch.tensor(n, dtype=torch.int32, device="cuda") for n in steps]
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: every step below is queued behind it
+    outs = []
+    for n, d in zip(steps, lens_dev):
+        plan.update(n)
+        outs.append(pb.paged_decode(q, k, v, bt, d, plan=plan))
+    for (out, lse), d in zip(outs, lens_dev):
+        ref_o, ref_lse = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), d.cpu())
+        assert_close_state(out, lse, ref_o, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_graph_replays_with_new_lengths():
     q, k, v, bt, sl = make_decode_inputs([70000] * 4, 32, 8, 128, 16, torch.bfloat16, device="cuda")
     lens = [5000, 17, 300, 70000]
