@@ -176,4 +176,6 @@ def _check_forest(forest, groups, forest_rows, batch: int, **shape):
     seen[rows] = True
     if np.count_nonzero(seen) != rows.size:
         raise ValueError("forest_rows repeats a batch index")
+    if rows.size == forest.batch_size and np.array_equal(rows, np.arange(rows.size)):
+        return None  # the same batch: its partition may be copied too
     return rows

@@ -95,6 +95,8 @@ def test_merges_a_node_left_with_its_parents_members():
     check_exact(q[rows], k, v, bt[rows], lens[rows], got, torch.float32)
     alone = pb.plan_cascade(bt[[1]], lens[[1]], **kw, forest=first, forest_rows=[1])
     assert alone.is_flat
+    same = pb.plan_cascade(bt, lens, **kw, forest=first, forest_rows=torch.arange(4))  # the same batch
+    assert torch.equal(same.buffers, pb.plan_cascade(bt, lens, **kw, forest=first).buffers)
 
 
 def test_forest_rows_validation():
