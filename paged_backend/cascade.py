@@ -91,8 +91,8 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
     tails, one piece each); else the partition is redone. Without ``forest_rows`` the batch is the
     same (same requests in the same order). ``forest_rows [B]``: the batch lost requests since (or
     was reordered): each request's batch index in ``forest``'s step, distinct; its nodes are kept
-    with the members left (see :mod:`paged_backend.cascade_reuse`). A request new since then needs
-    a plan without ``forest``. Each request must still hold its shared blocks in full, and every
+    with the members left (see :mod:`paged_backend.cascade_reuse`). ``-1`` marks a request new since
+    then: with one, the forest is found anew (as without ``forest``). Each request must still hold its shared blocks in full, and every
     member's last shared block is compared with its node's (the whole shared ranges with
     ``PAGED_BACKEND_DEBUG=1``).
     """
@@ -141,6 +141,8 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
     if forest is not None:
         rows = _check_forest(forest, groups, forest_rows, lens.size, num_q_heads=num_q_heads,
                              num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+        if rows is not None and rows.size and rows.min() < 0:  # a request new since: find the forest anew
+            forest, rows = None, None
     elif forest_rows is not None:
         raise ValueError("forest_rows needs forest (the plan whose batch it indexes)")
     return build_plan(table, lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -169,12 +171,13 @@ def _check_forest(forest, groups, forest_rows, batch: int, **shape):
     if rows.size != batch:
         raise ValueError(f"forest_rows must have one entry per request ({batch}), got {rows.size}")
     rows = rows.astype(np.int64)
-    if rows.size and (rows.min() < 0 or rows.max() >= forest.batch_size):
-        raise ValueError(f"forest_rows must hold forest's batch indices in [0, {forest.batch_size}) "
-                         "(a request new since forest's step needs a plan without forest)")
+    if rows.size and (rows.min() < -1 or rows.max() >= forest.batch_size):
+        raise ValueError(f"forest_rows must hold forest's batch indices in [0, {forest.batch_size}), "
+                         "or -1 for a request new since")
     seen = np.zeros(forest.batch_size, dtype=bool)
-    seen[rows] = True
-    if np.count_nonzero(seen) != rows.size:
+    old = rows[rows >= 0]
+    seen[old] = True
+    if np.count_nonzero(seen) != old.size:
         raise ValueError("forest_rows repeats a batch index")
     if rows.size == forest.batch_size and np.array_equal(rows, np.arange(rows.size)):
         return None  # the same batch: its partition may be copied too

@@ -112,10 +112,15 @@ def test_forest_rows_validation():
         pb.plan_cascade(table[:3], lens_np[:3], **kw, forest=first)
     with pytest.raises(ValueError, match="one entry per request"):
         pb.plan_cascade(table[:3], lens_np[:3], **kw, forest=first, forest_rows=[0, 1])
-    with pytest.raises(ValueError, match="new since"):
-        pb.plan_cascade(table[:2], lens_np[:2], **kw, forest=first, forest_rows=[0, -1])
-    with pytest.raises(ValueError, match="new since"):
+    with pytest.raises(ValueError, match=r"in \[0, 4\), or -1"):
         pb.plan_cascade(table[:2], lens_np[:2], **kw, forest=first, forest_rows=[0, 4])
+    with pytest.raises(ValueError, match=r"in \[0, 4\), or -1"):
+        pb.plan_cascade(table[:2], lens_np[:2], **kw, forest=first, forest_rows=[0, -2])
+    # a request new since forest's step (-1): the forest is found anew, as without forest
+    added = np.concatenate([table[[0, 2]], table[[1]]])
+    got = pb.plan_cascade(added, lens_np[[0, 2, 1]], **kw, forest=first, forest_rows=[0, 2, -1])
+    want = pb.plan_cascade(added, lens_np[[0, 2, 1]], **kw)
+    assert nodes_of(got) == nodes_of(want) and torch.equal(got.buffers, want.buffers)
     with pytest.raises(ValueError, match="repeats"):
         pb.plan_cascade(table[:2], lens_np[:2], **kw, forest=first, forest_rows=[1, 1])
     with pytest.raises(TypeError, match="forest_rows must hold integers"):
