@@ -92,9 +92,9 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
     same (same requests in the same order). ``forest_rows [B]``: the batch lost requests since (or
     was reordered): each request's batch index in ``forest``'s step, distinct; its nodes are kept
     with the members left (see :mod:`paged_backend.cascade_reuse`). ``-1`` marks a request new since
-    then: with one, the forest is found anew (as without ``forest``). Each request must still hold its shared blocks in full, and every
-    member's last shared block is compared with its node's (the whole shared ranges with
-    ``PAGED_BACKEND_DEBUG=1``).
+    then: with one, the forest is found anew (as without ``forest``). Each request must still hold
+    its shared blocks in full, and every member's last shared block is compared with its node's (the
+    whole shared ranges with ``PAGED_BACKEND_DEBUG=1``).
     """
     table = _host_array("block_table_cpu", block_table_cpu, 2)
     lens = _host_array("seq_lens_cpu", seq_lens_cpu, 1).astype(np.int64)

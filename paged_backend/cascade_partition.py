@@ -195,7 +195,7 @@ def _merge_lists(plan, h, kvh, mbase, n_in, nrb, seg0, seg, seg_ptr, cut_at, slo
     more = np.ones((int(level.max()) + 1, 1), dtype=np.int64)  # [L, B * Hkv] node slots per level
     if cut_at.size:  # the pieces after a cut: a slot more for each member of their row block
         s = seg[cut_at]
-        em, n = _memberships(mbase[s], n_in[s])
+        em, n = memberships(mbase[s], n_in[s])
         eh = kvh[s].repeat(n)
         more = more + np.bincount(lvm[em] * count.size + members[em] * hkv + eh,
                                   minlength=more.size * count.size).reshape(more.size, -1)
@@ -228,7 +228,7 @@ def _merge_lists(plan, h, kvh, mbase, n_in, nrb, seg0, seg, seg_ptr, cut_at, slo
     return count
 
 
-def _memberships(base: np.ndarray, n: np.ndarray):
+def memberships(base: np.ndarray, n: np.ndarray):
     """The runs ``base[i] .. base[i] + n[i]`` end to end. -> (indices, n)."""
     return (base - np.cumsum(n) + n).repeat(n) + np.arange(int(n.sum())), n
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from paged_backend.cascade_forest import group_depths
+from paged_backend.cascade_partition import memberships
 
 
 def restrict_forest(ptr, members, start, end, level, rows: np.ndarray, prev_batch: int, pays):
@@ -50,7 +51,7 @@ def restrict_forest(ptr, members, start, end, level, rows: np.ndarray, prev_batc
         keep = merge | pays(n[ks], end[ks] - pk)
         ks, lead, pk, par, merge = ks[keep], lead[keep], pk[keep], par[keep], merge[keep]
         cnt = n[ks]
-        m = mem[(first[ks] - np.cumsum(cnt) + cnt).repeat(cnt) + np.arange(int(cnt.sum()))]  # node by node
+        m = mem[memberships(first[ks], cnt)[0]]  # node by node
         kd[m] = end[ks].repeat(cnt)
         new_end[par[merge]] = end[ks[merge]]
         fresh = ~merge
@@ -64,8 +65,7 @@ def restrict_forest(ptr, members, start, end, level, rows: np.ndarray, prev_batc
     cnt = n[made]
     out_ptr = np.zeros(made.size + 1, dtype=np.int64)
     np.cumsum(cnt, out=out_ptr[1:])
-    at = (first[made] - out_ptr[:-1]).repeat(cnt) + np.arange(int(out_ptr[-1]))
-    return out_ptr, mem[at], new_start[made], new_end[made], new_level[made], kd
+    return out_ptr, mem[memberships(first[made], cnt)[0]], new_start[made], new_end[made], new_level[made], kd
 
 
 def check_held(table: np.ndarray, lens: np.ndarray, bs: int, ptr, members, start, end, kd, debug: bool) -> None:
