@@ -15,7 +15,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.attend import attend_paged_range
-from kernels.dispatch import use_pdl
+from kernels.dispatch import num_sms, use_pdl
 from kernels.launch import launch, pow2
 
 
@@ -86,13 +86,15 @@ def _fold_states_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
     INDIRECT: tl.constexpr, SKIP_SINGLE: tl.constexpr, PDL: tl.constexpr,
 ):
-    # Program (s = request * HKV + kv_head, query head h of the group): folds the partial states of
-    # entries list[s]..list[s+1] in list order (deterministic) into out/lse. An entry is a partial
-    # slot itself, or with INDIRECT an index into slots. BLOCK_P states are loaded at once, so a
-    # list of ~G/S pieces costs one or two dependent loads, not one per piece (a serial fold cost
-    # ~10 us for B=1 on an H100). SKIP_SINGLE: a list of one entry was written out by its producer.
+    # Program (s = request * HKV + kv_head, query head h of the group, column block c): folds the
+    # partial states of entries list[s]..list[s+1] in list order (deterministic) into out/lse, for
+    # the BLOCK_D columns of block c (each block reads every lse; block 0 writes lse). An entry is a
+    # partial slot itself, or with INDIRECT an index into slots. BLOCK_P states are loaded at once,
+    # so a list of ~G/S pieces costs one or two dependent loads, not one per piece (a serial fold
+    # cost ~10 us for B=1 on an H100). SKIP_SINGLE: a list of one entry was written out by its producer.
     s = tl.program_id(0)
     h = tl.program_id(1)
+    c = tl.program_id(2)
     lo = tl.load(list_ptr + s)  # plan data, written before the previous kernel started
     hi = tl.load(list_ptr + s + 1)
     # Launched early (programmatic dependent launch): wait until the states are written. Program
@@ -102,7 +104,7 @@ def _fold_states_kernel(
             gdc_wait()
     if not SKIP_SINGLE or hi - lo > 1:
         offs_p = tl.arange(0, BLOCK_P)
-        offs_d = tl.arange(0, BLOCK_D)
+        offs_d = c * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
         m = tl.full([1], float("-inf"), tl.float32)
         w_sum = tl.zeros([1], tl.float32)
@@ -130,7 +132,8 @@ def _fold_states_kernel(
         qh = (s % HKV).to(tl.int64) * GROUP + h
         tl.store(out_ptr + b * stride_ob + qh * stride_oh + offs_d * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=d_ok)
-        tl.store(lse_ptr + b * stride_lb + qh * stride_lh + tl.arange(0, 1), lse)
+        if c == 0:
+            tl.store(lse_ptr + b * stride_lb + qh * stride_lh + tl.arange(0, 1), lse)
 
 
 def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, partial_lse, work, prog_ptr,
@@ -161,21 +164,30 @@ def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, 
 
 
 def fold_states(lists, partial_o, partial_lse, out, lse, num_kv_heads: int, slots=None, skip_single: bool = False,
-                max_len: int = 64):
+                max_len: int = 64, num_sms: int = 0):
     """Merges, per (request, kv_head) ``s``, the partial states ``lists[s]..lists[s+1]``
     (``lists [B * Hkv + 1]`` int32; entries are slots of ``partial_o [P, group, D]`` /
     ``partial_lse [P, group]``, or indices into ``slots`` when given) in order into
     ``out [B, Hq, D]`` and ``lse [B, Hq]``. ``max_len``: the usual longest list, loaded in one go
     (longer lists take more rounds). On Hopper and later it is launched with programmatic
-    dependent launch: it starts during the previous kernel and waits for its writes."""
+    dependent launch: it starts during the previous kernel and waits for its writes.
+
+    With fewer (list, query head) programs than ``num_sms``, each row's columns are split over
+    up to 4 programs of >= 32 columns: one program reads a whole list alone, so a long list over
+    few SMs is bound by one SM's bandwidth (MQA B=1 x 128K on an H100: 264 states a list over 32
+    SMs, 46.5 us end to end). The split is a function of the shapes only: same inputs, same bits."""
     b, hq, d = out.shape
     pdl = use_pdl(out.device)
     block_p = min(64, pow2(max(2, max_len)))
+    rows = b * hq
+    split = 1
+    while split < 4 and rows * split < num_sms and pow2(d) // (2 * split) >= 32:
+        split *= 2
     launch(
-        _fold_states_kernel, (b * num_kv_heads, hq // num_kv_heads),
+        _fold_states_kernel, (b * num_kv_heads, hq // num_kv_heads, split),
         lists, lists if slots is None else slots, partial_o, partial_lse, out, lse, num_kv_heads,
         *partial_o.stride(), *partial_lse.stride(), *out.stride(), *lse.stride(),
-        GROUP=hq // num_kv_heads, D=d, BLOCK_P=block_p, BLOCK_D=pow2(d),
+        GROUP=hq // num_kv_heads, D=d, BLOCK_P=block_p, BLOCK_D=pow2(d) // split,
         INDIRECT=slots is not None, SKIP_SINGLE=skip_single, PDL=pdl,
         num_warps=4 if block_p >= 32 else 2, num_stages=1, **({"launch_pdl": True} if pdl else {}),
     )
@@ -192,7 +204,7 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
     # stream-K run of G programs over S segments gives each at most ~G/S + 2 pieces.
     segments = q.shape[0] * k_cache.shape[2]
     fold_states(plan.seg_ptr, plan.partial_o, plan.partial_lse, out, lse, k_cache.shape[2], skip_single=True,
-                max_len=-(-plan.num_programs // segments) + 2)
+                max_len=-(-plan.num_programs // segments) + 2, num_sms=num_sms(q.device))
 
 
 def decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float, out, lse):

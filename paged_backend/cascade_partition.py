@@ -256,7 +256,7 @@ def upload(plan, src: torch.Tensor, host_views: dict, block_table_device) -> Non
     else:
         plan.buffers = torch.empty(src.numel(), dtype=torch.int32, device=plan.device)
         plan.buffers.copy_(src, non_blocking=True)
-    parts = plan.buffers.split([v.size for v in host_views.values()])
+    parts = plan.buffers.split_with_sizes([v.size for v in host_views.values()])
     plan.views.update(zip(host_views, parts))
     if block_table_device is not None:
         plan.views["block_table"] = block_table_device

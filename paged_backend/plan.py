@@ -305,7 +305,8 @@ class DecodePlan:
             # thread pool, which took milliseconds for 0.7 MB on a busy 2-core machine.)
             self.buffers = torch.from_numpy(self._host)
         at = rows * WORK_FIELDS
-        work, prog_ptr, seg_ptr = self.buffers.split([at, self.num_programs + 1, b * hkv + 1])  # (one call)
+        # (split_with_sizes: Tensor.split with a list goes through a Python wrapper, twice the time)
+        work, prog_ptr, seg_ptr = self.buffers.split_with_sizes([at, self.num_programs + 1, b * hkv + 1])
         self._views = (work.view(rows, WORK_FIELDS), prog_ptr, seg_ptr)
         self._work = self._host[:at].reshape(rows, WORK_FIELDS)
         self._rows = self._host[:at].view(ROW)

@@ -106,6 +106,13 @@ def test_many_pieces_per_segment():
     run_case([1000, 2], 4, 1, 64, 16, torch.float32, plan_mode="stream_k", num_programs=100)
 
 
+@pytest.mark.parametrize("hq,d", [(1, 128), (2, 128), (2, 80)])
+def test_fold_splits_columns_when_rows_are_few(hq, d):
+    # B * Hq rows under the SM count (4 in the interpreter): 2 or 4 programs fold a row's columns
+    # (a ragged last block for D = 80); 50 pieces take several rounds of loads per list.
+    run_case([800], hq, 1, d, 16, torch.float32, plan_mode="stream_k", num_programs=50)
+
+
 def test_ragged_mix_one_token_next_to_long():
     run_case([1, 600, 1, 1], 4, 2, 64, 16, torch.float32, plan_mode="stream_k", num_programs=5)
 
