@@ -71,6 +71,16 @@ def make_impl(name: str, inp: C.PagedInputs) -> Impl:
     return ours_impl(inp, name) if name in OURS else PEERS[name](inp)
 
 
+def _ratios(rec: dict) -> None:
+    """Eager vs FlashInfer eager, graph vs FlashInfer graph (FlashInfer time / this time)."""
+    for name, r in rec["impls"].items():
+        fi = rec["impls"].get("flashinfer@graph" if name.endswith("@graph") else "flashinfer", {}).get("us")
+        if fi and r.get("us"):
+            r["x_vs_flashinfer"] = fi / r["us"]
+    if "lse_vs_ours" in rec["impls"].get("flashinfer", {}) and "ours_sk" in rec["impls"]:
+        rec["impls"]["ours_sk"]["lse_vs_flashinfer"] = rec["impls"]["flashinfer"]["lse_vs_ours"]
+
+
 def run_case(name, lens, hq, hkv, args, copy_gbps) -> dict:
     dev, dtype = torch.device(args.device), args.dtype
     inp = C.make_paged_inputs(lens, hq, hkv, HEAD_DIM, BLOCK_SIZE, dtype, dev, seed=sum(map(ord, name)))
@@ -122,41 +132,47 @@ def run_case(name, lens, hq, hkv, args, copy_gbps) -> dict:
         rec["impls"][impl_name] = r
         print(f"  {impl_name:14s} {cell(r, None):>22s}  {detail(r)}", flush=True)
         C.free_memory()
-    for name, r in rec["impls"].items():  # eager vs FlashInfer eager, graph vs FlashInfer graph
-        fi = rec["impls"].get("flashinfer@graph" if name.endswith("@graph") else "flashinfer", {}).get("us")
-        if fi and r.get("us"):
-            r["x_vs_flashinfer"] = fi / r["us"]
-    if "lse_vs_ours" in rec["impls"].get("flashinfer", {}):
-        rec["impls"]["ours_sk"]["lse_vs_flashinfer"] = rec["impls"]["flashinfer"]["lse_vs_ours"]
+    _ratios(rec)
     del inp, ref_o, ref_lse
     C.free_memory()
     return rec
 
 
 def run_isolated(name: str, argv, copy_gbps: float, impls) -> dict:
-    """Runs one case in a fresh process (same flags) and returns its record. If the process dies
-    (FlashInfer's MQA tensor-core decode segfaulted once on an H200), the case is run again with
-    ours only and the peers' crash is recorded."""
+    """Runs one case in a fresh process (same flags) and returns its record. If the process dies (a
+    peer's kernel may crash it: FlashInfer's MQA tensor-core decode did), the case is run again
+    with ours, then each peer in a process of its own, so a crash loses only that peer's cells."""
     keep = list(argv if argv is not None else sys.argv[1:])
     for flag in ("--cases", "--impls"):
         if flag in keep:
             i = keep.index(flag)
             del keep[i:i + 2]
-    died = None
-    for attempt in (impls, [i for i in impls if i in OURS]):
+
+    def attempt(names):  # -> (record or None, exit code)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "case.json")
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), *keep, "--cases", name,
-                                   "--impls", ",".join(attempt), "--child", path, "--copy-gbps", str(copy_gbps)])
-            if os.path.exists(path):
-                with open(path) as f:
-                    rec = json.load(f)
-                for i in impls:
-                    rec["impls"].setdefault(i, {"error": f"not measured: the process running the peers died "
-                                                      f"(exit code {died})"})
-                return rec
-            died = proc.returncode
-    raise RuntimeError(f"case process died (exit code {died})")
+                                   "--impls", ",".join(names), "--child", path, "--copy-gbps", str(copy_gbps)])
+            if not os.path.exists(path):  # only a finished case leaves a file
+                return None, proc.returncode
+            with open(path) as f:
+                return json.load(f), 0
+
+    rec, died = attempt(impls)
+    if rec is not None:
+        return rec
+    ours = [i for i in impls if i in OURS]
+    rec, code = attempt(ours)
+    if rec is None:
+        raise RuntimeError(f"case process died (exit code {code})")
+    for peer in (i for i in impls if i not in OURS):
+        one, code = attempt([peer])
+        for key, r in (one or {}).get("impls", {}).items():
+            rec["impls"][key] = r
+        if one is None:
+            rec["impls"][peer] = {"error": f"not measured: its process died (exit code {code})"}
+    _ratios(rec)
+    return rec
 
 
 def cell(r: dict, fi_us, long: bool = False) -> str:
@@ -249,6 +265,9 @@ def render(results: dict, names) -> tuple[str, str]:
     md += ["", "Cases (lengths, Hq/Hkv): " + "; ".join(
         f"{c}: {_lens_str(results['cases'][c])}, {results['cases'][c]['num_q_heads']}/"
         f"{results['cases'][c]['num_kv_heads']}" for c in names)]
+    notes = [f"- {c}: {results['cases'][c]['note']}" for c in names if results["cases"][c].get("note")]
+    if notes:  # a row from another run, say
+        md += ["", "Notes:", ""] + notes
     errs = [f"- {c} / {i}: {r['error']}" for c in names for i, r in results["cases"][c]["impls"].items()
             if "error" in r]
     if errs:
@@ -303,7 +322,7 @@ def main(argv=None):
         with open(args.child, "w") as f:  # only a finished case leaves a file
             json.dump(rec, f)
         return 0
-    isolate = dev.type == "cuda" and not args.no_isolate and len(names) > 1
+    isolate = dev.type == "cuda" and not args.no_isolate
     results = {"device": C.gpu_name(dev), "date": C.now(), "copy_gbps": copy_gbps, "versions": C.versions(),
                "quick": args.quick, "cases": {}}
     print(f"device {results['device']}  copy {copy_gbps:.0f} GB/s  {results['versions']}", flush=True)
