@@ -158,7 +158,7 @@ def run_isolated(name: str, argv, copy_gbps: float, impls) -> dict:
             with open(path) as f:
                 return json.load(f), 0
 
-    rec, died = attempt(impls)
+    rec, _ = attempt(impls)
     if rec is not None:
         return rec
     ours = [i for i in impls if i in OURS]

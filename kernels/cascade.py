@@ -27,7 +27,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels.attend import attend_paged_range
 from kernels.decode import fold_states, run_pieces
-from kernels.dispatch import num_sms, use_pdl
+from kernels.dispatch import use_pdl
 from kernels.launch import launch, pow2
 
 # Warps per node tile of BLOCK_M rows (H100 sweeps, 2026-11-21): a 256-row tile on 16 warps keeps
@@ -136,8 +136,7 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
         tails()
         main.wait_stream(plan.side_stream)
     # Per (request, kv_head): its slots, parents first and the tail last (fixed order).
-    fold_states(v["req_ptr"], po, plse, out, lse, hkv, slots=v["slots"], max_len=plan.max_merge_len,
-                num_sms=num_sms(q.device))
+    fold_states(v["req_ptr"], po, plse, out, lse, hkv, slots=v["slots"], max_len=plan.max_merge_len)
 
 
 def _merge_into(run_lse, run_o, idx, lse, o):

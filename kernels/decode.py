@@ -164,7 +164,7 @@ def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, 
 
 
 def fold_states(lists, partial_o, partial_lse, out, lse, num_kv_heads: int, slots=None, skip_single: bool = False,
-                max_len: int = 64, num_sms: int = 0):
+                max_len: int = 64):
     """Merges, per (request, kv_head) ``s``, the partial states ``lists[s]..lists[s+1]``
     (``lists [B * Hkv + 1]`` int32; entries are slots of ``partial_o [P, group, D]`` /
     ``partial_lse [P, group]``, or indices into ``slots`` when given) in order into
@@ -172,7 +172,7 @@ def fold_states(lists, partial_o, partial_lse, out, lse, num_kv_heads: int, slot
     (longer lists take more rounds). On Hopper and later it is launched with programmatic
     dependent launch: it starts during the previous kernel and waits for its writes.
 
-    With fewer (list, query head) programs than ``num_sms``, each row's columns are split over
+    With fewer (request, query head) rows than the device has SMs, each row's columns are split over
     up to 4 programs of >= 32 columns: one program reads a whole list alone, so a long list over
     few SMs is bound by one SM's bandwidth (MQA B=1 x 128K on an H100: 264 states a list over 32
     SMs, 46.5 us end to end). The split is a function of the shapes only: same inputs, same bits."""
@@ -181,7 +181,8 @@ def fold_states(lists, partial_o, partial_lse, out, lse, num_kv_heads: int, slot
     block_p = min(64, pow2(max(2, max_len)))
     rows = b * hq
     split = 1
-    while split < 4 and rows * split < num_sms and pow2(d) // (2 * split) >= 32:
+    sms = num_sms(out.device)
+    while split < 4 and rows * split < sms and pow2(d) // (2 * split) >= 32:
         split *= 2
     launch(
         _fold_states_kernel, (b * num_kv_heads, hq // num_kv_heads, split),
@@ -204,7 +205,7 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
     # stream-K run of G programs over S segments gives each at most ~G/S + 2 pieces.
     segments = q.shape[0] * k_cache.shape[2]
     fold_states(plan.seg_ptr, plan.partial_o, plan.partial_lse, out, lse, k_cache.shape[2], skip_single=True,
-                max_len=-(-plan.num_programs // segments) + 2, num_sms=num_sms(q.device))
+                max_len=-(-plan.num_programs // segments) + 2)
 
 
 def decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float, out, lse):
