@@ -16,13 +16,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.attend import attend_paged_range
 from kernels.dispatch import num_sms, use_pdl
-from kernels.launch import launch, pow2
+from kernels.launch import Relaunch, launch, pow2, replay_stream
 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, work_ptr, prog_ptr,
-    out_ptr, lse_ptr, po_ptr, plse_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,  # a call's own tensors first (run_pieces)
+    work_ptr, prog_ptr, po_ptr, plse_ptr,
     sm_scale, max_tokens,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -80,7 +80,7 @@ def _decode_kernel(
 
 @triton.jit
 def _fold_states_kernel(
-    list_ptr, slots_ptr, po_ptr, plse_ptr, out_ptr, lse_ptr, HKV,
+    out_ptr, lse_ptr, list_ptr, slots_ptr, po_ptr, plse_ptr, HKV,
     stride_pop, stride_poh, stride_pod, stride_plp, stride_plh,
     stride_ob, stride_oh, stride_od, stride_lb, stride_lh,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -137,22 +137,23 @@ def _fold_states_kernel(
 
 
 def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, partial_lse, work, prog_ptr,
-               num_programs: int, block_n: int, scale: float, num_warps: int = 4, num_stages: int = 3,
-               beside_prior: bool = False):
+               num_programs: int, block_n: int, scale: float, pdl: bool, num_warps: int = 4, num_stages: int = 3,
+               beside_prior: bool = False) -> Relaunch | None:
     """Launches ``num_programs`` programs over decode pieces ``work [P, 5] int32`` (request, kv_head,
     token_start, token_end, slot). A piece with slot < 0 writes ``out``/``lse`` rows; one with a
     slot writes ``partial_o [P, group, D]``/``partial_lse [P, group]`` fp32. Tuned on an H200.
-    ``beside_prior`` (Hopper+, PDL): the previous kernel on the stream neither feeds nor reads these
-    pieces, so they start while it runs and the grid ends only after it. (Launching a decode early
-    and waiting for the previous kernel before reading q was slower everywhere on an H100.)"""
+    ``pdl``: ``use_pdl(q.device)``. ``beside_prior`` (with PDL): the previous kernel on the stream
+    neither feeds nor reads these pieces, so they start while it runs and the grid ends only after
+    it. (Launching a decode early and waiting for the previous kernel before reading q was slower
+    everywhere on an H100.) -> this launch again for new ``(q, k_cache, v_cache, block_table,
+    seq_lens, out, lse)``, where it can go direct."""
     hq, d = q.shape[1], q.shape[2]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    pdl = use_pdl(q.device)
     beside_prior = beside_prior and pdl
-    launch(
-        _decode_kernel, (num_programs,), q, k_cache, v_cache, block_table, seq_lens, work, prog_ptr,
-        out, lse, partial_o, partial_lse,
+    bound = launch(
+        _decode_kernel, (num_programs,), q, k_cache, v_cache, block_table, seq_lens, out, lse,
+        work, prog_ptr, partial_o, partial_lse,
         scale, block_table.shape[1] * bs,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(), *lse.stride(),
         *partial_o.stride(), *partial_lse.stride(),
@@ -161,51 +162,84 @@ def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, 
         IEEE=q.dtype == torch.float32, PDL=pdl, WAIT_AT_END=beside_prior, num_warps=num_warps,
         num_stages=num_stages, **({"launch_pdl": True} if beside_prior else {}),
     )
+    return bound and bound.lead(7)
 
 
-def fold_states(lists, partial_o, partial_lse, out, lse, num_kv_heads: int, slots=None, skip_single: bool = False,
-                max_len: int = 64):
+def fold_states(lists, partial_o, partial_lse, out, lse, num_kv_heads: int, pdl: bool, slots=None,
+                skip_single: bool = False, max_len: int = 64) -> Relaunch | None:
     """Merges, per (request, kv_head) ``s``, the partial states ``lists[s]..lists[s+1]``
     (``lists [B * Hkv + 1]`` int32; entries are slots of ``partial_o [P, group, D]`` /
     ``partial_lse [P, group]``, or indices into ``slots`` when given) in order into
     ``out [B, Hq, D]`` and ``lse [B, Hq]``. ``max_len``: the usual longest list, loaded in one go
-    (longer lists take more rounds). On Hopper and later it is launched with programmatic
-    dependent launch: it starts during the previous kernel and waits for its writes.
+    (longer lists take more rounds). ``pdl`` (``use_pdl(out.device)``, Hopper and later): launched
+    with programmatic dependent launch, it starts during the previous kernel and waits for its
+    writes. -> this launch again for new ``(out, lse)``, where it can go direct.
 
     With fewer (request, query head) rows than the device has SMs, each row's columns are split over
     up to 4 programs of >= 32 columns: one program reads a whole list alone, so a long list over
     few SMs is bound by one SM's bandwidth (MQA B=1 x 128K on an H100: 264 states a list over 32
     SMs, 46.5 us end to end). The split is a function of the shapes only: same inputs, same bits."""
     b, hq, d = out.shape
-    pdl = use_pdl(out.device)
     block_p = min(64, pow2(max(2, max_len)))
     rows = b * hq
     split = 1
     sms = num_sms(out.device)
     while split < 4 and rows * split < sms and pow2(d) // (2 * split) >= 32:
         split *= 2
-    launch(
+    bound = launch(
         _fold_states_kernel, (b * num_kv_heads, hq // num_kv_heads, split),
-        lists, lists if slots is None else slots, partial_o, partial_lse, out, lse, num_kv_heads,
+        out, lse, lists, lists if slots is None else slots, partial_o, partial_lse, num_kv_heads,
         *partial_o.stride(), *partial_lse.stride(), *out.stride(), *lse.stride(),
         GROUP=hq // num_kv_heads, D=d, BLOCK_P=block_p, BLOCK_D=pow2(d) // split,
         INDIRECT=slots is not None, SKIP_SINGLE=skip_single, PDL=pdl,
         num_warps=4 if block_p >= 32 else 2, num_stages=1, **({"launch_pdl": True} if pdl else {}),
     )
+    return bound and bound.lead(2)
+
+
+def call_key(tensors: tuple, *values) -> tuple:
+    """A plan's key for a call's launches (its own buffers are fixed): the dtype (of the first: the
+    others' are checked against it), strides and 16-byte alignment of the call's ``tensors`` and
+    ``values`` (the scale, PDL, ...). -> (key, the tensors' data pointers: what relaunches take)."""
+    ptrs = [*map(torch.Tensor.data_ptr, tensors)]
+    return (tensors[0].dtype, *map(torch.Tensor.stride, tensors), *values, *map((15).__and__, ptrs)), ptrs
+
+
+def remember(launches: dict, key: tuple, relaunches: tuple) -> None:
+    """Keeps a call's relaunches in its plan's ``launches`` (a plan sees a few call signatures;
+    the bound keeps a caller varying its strides from growing it without end)."""
+    if all(relaunches):
+        if len(launches) >= 64:
+            launches.clear()
+        launches[key] = relaunches
 
 
 def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float, out, lse):
     """q [B, Hq, D]; caches [NB, BS, Hkv, D]; writes out [B, Hq, D] and lse [B, Hq] (fp32, ln)."""
     if q.shape[0] == 0:
         return
+    pdl = use_pdl(q.device)
+    # The plan's launches for this call signature: after the first call, each layer and step
+    # calls the two launchers directly (an eager call is host-bound for small batches).
+    key, ptrs = call_key((q, k_cache, v_cache, block_table, seq_lens, out, lse), scale, pdl,
+                         block_table.shape[1], plan.whole)
+    relaunches = plan.launches.get(key)
+    if relaunches is not None:
+        stream = replay_stream(relaunches)
+        if stream is not None:
+            decode, fold = relaunches
+            decode(stream, *ptrs)
+            fold(stream, *ptrs[5:])
+            return
     tile_n, stages = plan.kernel_tile
-    run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan.partial_o, plan.partial_lse,
-               plan.work, plan.prog_ptr, plan.num_programs, tile_n, scale, num_stages=stages)
+    decode = run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan.partial_o, plan.partial_lse,
+                        plan.work, plan.prog_ptr, plan.num_programs, tile_n, scale, pdl, num_stages=stages)
     # A segment of one piece wrote out/lse itself; split segments are folded in piece order. A
     # stream-K run of G programs over S segments gives each at most ~G/S + 2 pieces.
     segments = q.shape[0] * k_cache.shape[2]
-    fold_states(plan.seg_ptr, plan.partial_o, plan.partial_lse, out, lse, k_cache.shape[2], skip_single=True,
-                max_len=-(-plan.num_programs // segments) + 2)
+    fold = fold_states(plan.seg_ptr, plan.partial_o, plan.partial_lse, out, lse, k_cache.shape[2], pdl,
+                       skip_single=True, max_len=-(-plan.num_programs // segments) + 2)
+    remember(plan.launches, key, (decode, fold))
 
 
 def decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float, out, lse):

@@ -20,6 +20,16 @@ or on a Triton other than 3.6-3.9 (the versions whose ``JITFunction.run``, ``Com
 CUDA launcher this was checked against); and per call for what this does not know: an autotuner,
 a tensor subclass or other argument type, a tensor passed by keyword, a grid that is not a tuple,
 a kernel that reads global variables.
+
+A caller that launches the same kernels many times with only some leading arguments changing (a
+decode plan's launches, once per layer and step) can skip even that key: ``launch`` returns a
+:class:`Bound`, ``Bound.lead(n)`` a :class:`Relaunch` of it with every argument after the first
+``n`` fixed, and the caller keeps it under a key of its own that determines those arguments and
+the leading tensors' dtypes and 16-byte alignment. ``replay_stream`` says when relaunches may run.
+A relaunch passes tensors to the launcher as their device addresses (ints): for a tensor the
+launcher calls ``data_ptr()`` and queries the driver about the pointer on every launch (~17 such
+queries for an eager decode call), for an int it does neither. So its caller passes device
+tensors only, checked to be on the launch's device.
 """
 from __future__ import annotations
 
@@ -119,9 +129,61 @@ def _bind(fn, compiled, n_args: int, kw: dict) -> tuple:
     return fn, compiled, compiled.run, function, packed, tuple(kw[n] for n in names)
 
 
-def launch(fn, grid: tuple, *args, **kw) -> None:
+def _context(device) -> tuple:
+    """What a direct launch depends on besides its arguments: the device and the knobs that
+    ``JITFunction.run`` passes to the compiler."""
+    comp = knobs.compilation
+    return device, knobs.runtime.debug, comp.instrumentation_mode, _fpsan and comp.fpsan_homomorphic_casts
+
+
+class Bound:
+    """A launch of one compiled specialization (from :func:`launch`): what calling its launcher
+    again needs, and the arguments it was launched with."""
+    __slots__ = ("entry", "grid", "args", "context")
+
+    def __init__(self, entry: tuple, grid: tuple, args: tuple, context: tuple):
+        self.entry, self.grid, self.args, self.context = entry, grid, args, context
+
+    def lead(self, n: int) -> "Relaunch":
+        """This launch again with new values for its first ``n`` arguments (see module doc)."""
+        return Relaunch(self, n)
+
+
+class Relaunch:
+    """``Bound.lead(n)``: ``relaunch(stream, *first_n_args)`` calls the compiled kernel's launcher
+    with the bound launch's other arguments, tensors among them as device addresses (it keeps the
+    tensors). The caller passes the first ``n`` arguments with the bound ones' dtypes and 16-byte
+    alignment, tensors as ``data_ptr()`` of device tensors, and checks ``replay_stream`` first."""
+    __slots__ = ("fn", "context", "run", "g0", "g1", "g2", "function", "packed", "rest", "tensors")
+
+    def __init__(self, bound: Bound, n: int):
+        self.fn, _, self.run, self.function, self.packed, tail = bound.entry
+        self.g0, self.g1, self.g2 = (*bound.grid, 1, 1)[:3]
+        self.context = bound.context
+        rest = bound.args[n:]
+        self.tensors = [a for a in rest if isinstance(a, torch.Tensor)]  # alive while their addresses are used
+        self.rest = (*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in rest), *tail)
+
+    def __call__(self, stream, *lead) -> None:
+        self.run(self.g0, self.g1, self.g2, stream, self.function, self.packed, None, None, None, *lead, *self.rest)
+
+
+def replay_stream(relaunches):
+    """The current stream's handle when ``relaunches`` (bound in one context) may run now, else
+    None: direct launches are on, nothing watches their kernels (hooks, a profiler), and the
+    current device and Triton's knobs are those they were bound under."""
+    if DISABLED_BY is not None or any(_watched(r.fn) for r in relaunches):
+        return None
+    context = _context(_device())
+    if context != relaunches[0].context:
+        return None
+    return _stream(context[0])
+
+
+def launch(fn, grid: tuple, *args, **kw) -> Bound | None:
     """``fn[grid](*args, **kw)``: ``grid`` a tuple of 1-3 ints, ``kw`` the trailing parameters
-    (constexprs) by name and the launch options."""
+    (constexprs) by name and the launch options. -> a :class:`Bound` when this specialization can
+    be launched direct (see module doc), else None."""
     global _device, _stream
     entry = ()  # () takes the normal path; None: the normal path, then bind for next time
     if DISABLED_BY is None and type(grid) is tuple and isinstance(fn, JITFunction) and not _watched(fn):
@@ -129,9 +191,8 @@ def launch(fn, grid: tuple, *args, **kw) -> None:
         if spec is not None:
             if _device is None:
                 _device, _stream = driver.active.get_current_device, driver.active.get_current_stream
-            device, comp = _device(), knobs.compilation
-            key = (id(fn), device, knobs.runtime.debug, comp.instrumentation_mode,
-                   _fpsan and comp.fpsan_homomorphic_casts, spec)
+            context = _context(_device())
+            key = (id(fn), *context, spec)
             try:
                 entry = _entries.get(key)
             except TypeError:  # an unhashable keyword value (Triton keys on its str())
@@ -139,10 +200,13 @@ def launch(fn, grid: tuple, *args, **kw) -> None:
     if entry:
         _, _, run, function, packed, tail = entry
         g = (*grid, 1, 1)
-        run(g[0], g[1], g[2], _stream(device), function, packed, None, None, None, *args, *tail)
-        return
+        run(g[0], g[1], g[2], _stream(context[0]), function, packed, None, None, None, *args, *tail)
+        return Bound(entry, grid, args, context)
     compiled = fn[grid](*args, **kw)
     if entry is None:
         if len(_entries) >= _MAX_ENTRIES:
             _entries.clear()
-        _entries[key] = _bind(fn, compiled, len(args), kw)
+        entry = _entries[key] = _bind(fn, compiled, len(args), kw)
+        if entry:
+            return Bound(entry, grid, args, context)
+    return None

@@ -88,6 +88,8 @@ class CascadePlan:
     partial_lse: torch.Tensor = field(default=None, repr=False)
     side_stream: object = field(default=None, repr=False)  # CUDA stream the node kernel runs on
     host: dict = field(default_factory=dict, repr=False)  # the staging array's parts on the host, by name
+    # call signature -> the node, tail and fold kernels' launches for it (kernels/cascade.py: cascade_triton)
+    launches: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_nodes(self) -> int:

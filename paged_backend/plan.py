@@ -214,6 +214,8 @@ class DecodePlan:
     _views: tuple = field(default=None, repr=False)  # work, prog_ptr, seg_ptr: views of buffers, made once
     # (seq_lens_host, its max) as of the last update; paged_decode uses the max while the array is the same
     host_max: tuple = field(default=(None, 0), repr=False)
+    # call signature -> the decode and fold kernels' launches for it (kernels/decode.py: decode_triton)
+    launches: dict = field(default_factory=dict, repr=False)
 
     @property
     def whole(self) -> bool:

@@ -152,6 +152,59 @@ def test_a_kernel_reading_globals_always_takes_the_normal_path(calls, monkeypatc
     assert [c[0] for c in calls] == ["normal"] * 3
 
 
+def test_a_relaunch_takes_new_leading_arguments(calls):
+    """The leading arguments come as the caller passes them (device addresses); the bound launch's
+    other tensors go to the launcher as addresses too, and the relaunch keeps them alive."""
+    x, y, x2, y2 = torch.zeros(64), torch.zeros(64), torch.ones(64), torch.ones(64)
+    first = launch.launch(_scale, (4,), x, y, 64, BLOCK=16, num_warps=2)  # normal, then bound
+    second = launch.launch(_scale, (4,), x, y, 64, BLOCK=16, num_warps=2)  # direct
+    for bound in (first, second):
+        assert launch.replay_stream([bound.lead(1)]) == "stream"
+        bound.lead(1)("stream", x2.data_ptr())
+        bound.lead(2)("stream", x2.data_ptr(), y2.data_ptr())
+        assert bound.lead(1).tensors == [y] and bound.lead(2).tensors == []
+    direct = ("direct", 4, 1, 1, "stream", "function", "packed", None, None, None)
+    assert calls[1:] == [direct + (x, y, 64, 16)] + [direct + (x2.data_ptr(), y.data_ptr(), 64, 16),
+                                                     direct + (x2.data_ptr(), y2.data_ptr(), 64, 16)] * 2
+
+
+def test_no_bound_launch_where_the_normal_path_runs(calls, monkeypatch):
+    x, y = torch.zeros(64), torch.zeros(64)
+    assert launch.launch(_scale, (4,), torch.nn.Parameter(x), y, 64, BLOCK=16) is None
+    assert launch.launch(_scale, lambda meta: (4,), x, y, 64, BLOCK=16) is None
+    monkeypatch.setattr(_scale, "used_global_vals", {("G", 0): (1, {"G": 1})})
+    assert launch.launch(_scale, (4,), x, y, 64, BLOCK=16) is None
+    monkeypatch.setattr(launch, "DISABLED_BY", "test")
+    monkeypatch.setattr(_scale, "used_global_vals", {})
+    assert launch.launch(_scale, (4,), x, y, 64, BLOCK=16) is None
+    assert [c[0] for c in calls] == ["normal"] * 4
+
+
+def test_replay_only_in_the_context_bound(calls, monkeypatch):
+    x, y = torch.zeros(64), torch.zeros(64)
+    relaunch = launch.launch(_scale, (4,), x, y, 64, BLOCK=16).lead(2)
+    assert launch.replay_stream([relaunch]) == "stream"
+    hook = lambda *a: None  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)  # a profiler
+    try:
+        assert launch.replay_stream([relaunch]) is None
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    with monkeypatch.context() as m:
+        m.setattr(_scale, "pre_run_hooks", [hook])
+        assert launch.replay_stream([relaunch]) is None
+    with monkeypatch.context() as m:
+        m.setattr(triton.knobs.runtime, "debug", True)  # a knob the compiler sees
+        assert launch.replay_stream([relaunch]) is None
+    with monkeypatch.context() as m:
+        m.setattr(launch, "_device", lambda: 1)  # another current device
+        assert launch.replay_stream([relaunch]) is None
+    with monkeypatch.context() as m:
+        m.setattr(launch, "DISABLED_BY", "PAGED_BACKEND_DIRECT_LAUNCH=0")
+        assert launch.replay_stream([relaunch]) is None
+    assert launch.replay_stream([relaunch]) == "stream"
+
+
 @pytest.mark.kernel
 @pytest.mark.skipif(not INTERPRET, reason="runs Triton kernels: the TRITON_INTERPRET=1 pass of run_cpu.sh")
 def test_interpreter_takes_the_normal_path(monkeypatch):
@@ -166,7 +219,7 @@ def test_interpreter_takes_the_normal_path(monkeypatch):
     for _ in range(2):
         got = pb.paged_decode(q, k, v, bt, sl, plan=plan)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert launch._entries == {}
+    assert launch._entries == {} and plan.launches == {}
 
 
 def _misaligned(t: torch.Tensor) -> torch.Tensor:
@@ -178,20 +231,27 @@ def _misaligned(t: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def _assert_direct_matches_normal(monkeypatch, cases: dict, call, kernels: set):
+def _assert_direct_matches_normal(monkeypatch, cases: dict, call, kernels: set, plan):
     """Each case through the normal path, then three rounds (the first binds, later ones go direct,
-    specializations interleaved) must give the same bits; ``kernels`` are the ones that went direct."""
+    specializations interleaved: the first through ``launch``, the others through the plan's
+    relaunches) must give the same bits; ``kernels`` are the ones that went direct."""
     assert launch.DISABLED_BY is None, f"direct launch is off here: {launch.DISABLED_BY}"
     monkeypatch.setattr(launch, "DISABLED_BY", "test: the normal path")
     normal = {name: call(*args) for name, args in cases.items()}
+    assert not plan.launches
     monkeypatch.setattr(launch, "DISABLED_BY", None)
     monkeypatch.setattr(launch, "_entries", {})
+    replays = []
+    relaunch = launch.Relaunch.__call__
+    monkeypatch.setattr(launch.Relaunch, "__call__", lambda self, *a: (replays.append(self.fn), relaunch(self, *a)))
     for _ in range(3):
         for name, args in cases.items():
             out, lse = call(*args)
             assert torch.equal(out, normal[name][0]) and torch.equal(lse, normal[name][1]), name
     torch.cuda.synchronize()
     assert {e[0] for e in launch._entries.values() if e} == kernels
+    assert len(plan.launches) == len(cases)  # one signature each
+    assert len(replays) == 2 * len(cases) * len(kernels) and set(replays) == kernels
 
 
 @pytest.mark.gpu
@@ -207,7 +267,7 @@ def test_gpu_direct_decode_gives_the_normal_bits(monkeypatch, dtype, mode):
              "strided q": (q.transpose(0, 1).contiguous().transpose(0, 1), bt, sl),
              "misaligned table and lengths": (q, _misaligned(bt), _misaligned(sl))}
     _assert_direct_matches_normal(monkeypatch, cases, lambda q, bt, sl: pb.paged_decode(q, k, v, bt, sl, plan=plan),
-                                  {_decode_kernel, _fold_states_kernel})
+                                  {_decode_kernel, _fold_states_kernel}, plan)
 
 
 @pytest.mark.gpu
@@ -228,4 +288,4 @@ def test_gpu_direct_cascade_gives_the_normal_bits(monkeypatch):
     assert not cplan.is_flat
     cases = {"contiguous": (q,), "misaligned q": (_misaligned(q),)}
     _assert_direct_matches_normal(monkeypatch, cases, lambda q: pb.cascade_decode(q, k, v, cplan),
-                                  {_cascade_node_kernel, _decode_kernel, _fold_states_kernel})
+                                  {_cascade_node_kernel, _decode_kernel, _fold_states_kernel}, cplan)
