@@ -106,8 +106,10 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
     one_stream = pdl or not (q.is_cuda and both)
     # As in decode_triton: after the first call with this signature (the first layer of a step),
     # the plan's launchers are called directly. Only the one-stream order is kept.
-    key, ptrs = call_key((q, k_cache, v_cache, bt, sl, out, lse), scale, pdl)  # (bt, sl: the plan's)
-    relaunches = plan.launches.get(key) if one_stream else None
+    relaunches = None
+    if one_stream:
+        key, ptrs = call_key((q, k_cache, v_cache, bt, sl, out, lse), scale, pdl)  # (bt, sl: the plan's)
+        relaunches = plan.launches.get(key)
     if relaunches is not None:
         stream = replay_stream(relaunches)
         if stream is not None:
