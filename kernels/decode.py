@@ -27,7 +27,7 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_btb, stride_btn,
+    stride_btb, stride_btn, stride_sl,
     stride_ob, stride_oh, stride_od,
     stride_lb, stride_lh,
     stride_pop, stride_poh, stride_pod,
@@ -55,7 +55,7 @@ def _decode_kernel(
         # and nothing past the table's capacity is ever read. Page ids are read up to the plan's
         # bound, so the first of them does not wait for the length (one dependent load fewer).
         bt_end = tl.minimum(tl.load(w + 3), max_tokens)
-        end = tl.minimum(bt_end, tl.load(seq_lens_ptr + b))
+        end = tl.minimum(bt_end, tl.load(seq_lens_ptr + b * stride_sl))
         slot = tl.load(w + 4)
         qh = kvh * GROUP + offs_h  # query heads of this KV head  [BLOCK_H]
         q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + offs_d[None, :] * stride_qd,
@@ -155,8 +155,8 @@ def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, 
         _decode_kernel, (num_programs,), q, k_cache, v_cache, block_table, seq_lens, out, lse,
         work, prog_ptr, partial_o, partial_lse,
         scale, block_table.shape[1] * bs,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *out.stride(), *lse.stride(),
-        *partial_o.stride(), *partial_lse.stride(),
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *seq_lens.stride(), *out.stride(),
+        *lse.stride(), *partial_o.stride(), *partial_lse.stride(),
         GROUP=group, BS=bs, D=d, BLOCK_H=max(16, pow2(group)),  # tl.dot needs M >= 16
         BLOCK_N=block_n, BLOCK_D=pow2(d),
         IEEE=q.dtype == torch.float32, PDL=pdl, WAIT_AT_END=beside_prior, num_warps=num_warps,
@@ -255,11 +255,13 @@ def decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float, out, 
         ln = lens[c:c + per]
         live_blk = torch.arange(n_blk)[None, :] < ((ln + bs - 1) // bs)[:, None]
         bt = torch.where(live_blk, block_table[c:c + per, :n_blk].long(), 0)  # dead ids never read
-        k = k_cache[bt].flatten(1, 2).float()  # [b, L, Hkv, D]
-        v = v_cache[bt].flatten(1, 2).float()
+        live = torch.arange(n_blk * bs)[None, :] < ln[:, None]  # [b, L]
+        # Slots past a row's length may hold anything (NaN from a reused block): a zero weight
+        # times NaN is NaN, so they are zeroed, never used.
+        k = k_cache[bt].flatten(1, 2).float().masked_fill(~live[..., None, None], 0.0)  # [b, L, Hkv, D]
+        v = v_cache[bt].flatten(1, 2).float().masked_fill(~live[..., None, None], 0.0)
         qg = q[c:c + per].float().view(-1, hkv, group, d)
         s = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
-        live = torch.arange(n_blk * bs)[None, :] < ln[:, None]
         s = s.masked_fill(~live[:, None, None, :], float("-inf"))
         l_ = torch.logsumexp(s, dim=-1)  # [b, Hkv, g]
         p = torch.exp(s - l_.nan_to_num(neginf=0.0)[..., None])  # empty rows: exp(-inf) = 0

@@ -7,7 +7,9 @@ the natural-log sum of exp(scores). Two states over disjoint key sets merge exac
     o = (w_a o_a + w_b o_b) / (w_a + w_b);  lse = m + log(w_a + w_b)
 
 An empty key set has ``lse = -inf`` (and ``o = 0``); merging with it is the identity, and two
-empty states merge to an empty state, never NaN.
+empty states merge to an empty state, never NaN. ``lse = +inf`` (FlashAttention-2's mark of an
+empty row) is read as ``-inf``, as vLLM's merge does; a state of weight 0 adds nothing, whatever
+its ``o`` holds.
 """
 from __future__ import annotations
 
@@ -20,13 +22,16 @@ import triton.language as tl
 @triton.jit
 def merge_step(m, w_sum, acc, lse, o):
     """Folds one state (lse [R], o [R, D]) into a running merge (m [R], w_sum [R], acc [R, D]),
-    all fp32, natural log. Start from m = -inf, w_sum = 0, acc = 0."""
+    all fp32, natural log. Start from m = -inf, w_sum = 0, acc = 0. ``lse = +inf`` is an empty
+    state (FlashAttention-2's mark), like -inf."""
+    lse = tl.where(lse == float("inf"), float("-inf"), lse)
     m_new = tl.maximum(m, lse)
     # While both are -inf the row is still empty: shift by 0 so exp(-inf - 0) = 0, never NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_safe)
     w = tl.exp(lse - m_safe)
-    return m_new, w_sum * alpha + w, acc * alpha[:, None] + o * w[:, None]
+    # An empty state adds nothing even where its o is not 0 (0 * NaN would be NaN).
+    return m_new, w_sum * alpha + w, acc * alpha[:, None] + tl.where(w[:, None] > 0.0, o * w[:, None], 0.0)
 
 
 @triton.jit
@@ -107,13 +112,13 @@ def merge_triton(o_stack: torch.Tensor, lse_stack: torch.Tensor, out: torch.Tens
 
 def merge_torch(o_stack: torch.Tensor, lse_stack: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor):
     """Vectorised torch version of :func:`merge_triton` (CPU tensors)."""
-    lse = lse_stack.float()
+    lse = lse_stack.float().masked_fill(lse_stack == float("inf"), float("-inf"))  # +inf: empty
     m = lse.max(dim=0).values  # [T, H]
     m_safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
     w = torch.exp(lse - m_safe)  # [N, T, H]; exp(-inf) = 0
     w_sum = w.sum(dim=0)
     empty = w_sum == 0
-    acc = (o_stack.float() * w[..., None]).sum(dim=0)
+    acc = torch.where(w[..., None] > 0, o_stack.float() * w[..., None], 0.0).sum(dim=0)
     out.copy_(acc / torch.where(empty, torch.ones_like(w_sum), w_sum)[..., None])
     out_lse.copy_(torch.where(empty, torch.full_like(m, float("-inf")),
                               m_safe + torch.log(torch.where(empty, torch.ones_like(w_sum), w_sum))))
@@ -170,13 +175,15 @@ def merge_gathered_triton(lse_all: torch.Tensor, o_all: torch.Tensor, out: torch
 def _weigh_pack_kernel(o_ptr, lse_ptr, m_ptr, buf_ptr, R,
                        D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     # buf[r] = [o[r] * w | w], w = exp(lse[r] - m[r]) (m = the max over ranks; shift by 0 where it
-    # is -inf, so empty rows give w = 0, never NaN). buf rows are D + 1 fp32.
+    # is -inf, so empty rows give w = 0, never NaN; lse = +inf is empty too). buf rows are D + 1 fp32.
     rows, offs_d, row_ok, mask = _row_tile(R, D, BLOCK_R, BLOCK_D)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("-inf"))
+    lse = tl.where(lse == float("inf"), float("-inf"), lse)
     m = tl.load(m_ptr + rows, mask=row_ok, other=0.0)
     w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m))
     o = tl.load(o_ptr + rows[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(buf_ptr + rows[:, None] * (D + 1) + offs_d[None, :], o * w[:, None], mask=mask)
+    tl.store(buf_ptr + rows[:, None] * (D + 1) + offs_d[None, :], tl.where(w[:, None] > 0.0, o * w[:, None], 0.0),
+             mask=mask)
     tl.store(buf_ptr + rows * (D + 1) + D, w, mask=row_ok)
 
 
@@ -216,8 +223,9 @@ def weigh_finish_triton(buf, m, out, out_lse, cfg=None):
 def weigh_pack_torch(o, lse, m, buf):
     """Torch version of :func:`weigh_pack_triton` (CPU tensors; any strides)."""
     d = o.shape[-1]
-    w = torch.exp(lse - torch.where(m == float("-inf"), 0.0, m))
+    w = torch.exp(lse.masked_fill(lse == float("inf"), float("-inf")) - torch.where(m == float("-inf"), 0.0, m))
     torch.mul(o, w[..., None], out=buf[..., :d])
+    buf[..., :d].masked_fill_(w[..., None] == 0, 0.0)  # an empty state adds nothing, even a NaN o
     buf[..., d] = w
 
 

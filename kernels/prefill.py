@@ -88,7 +88,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_btb, stride_btn,
+    stride_btb, stride_btn, stride_sl, stride_qsl,
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
     GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOK: tl.constexpr,
@@ -103,11 +103,11 @@ def _prefill_kernel(
     cnt = tl.zeros([BLOCK_B], tl.int32)
     for b0 in range(0, batch + 1, BLOCK_B):
         ib = b0 + offs_b
-        start = tl.load(qsl_ptr + ib, mask=ib <= batch, other=0)
+        start = tl.load(qsl_ptr + ib * stride_qsl, mask=ib <= batch, other=0)
         cnt += ((start // TOK + ib <= pid) & (ib <= batch)).to(tl.int32)
     b = tl.sum(cnt, 0) - 1
-    q_begin = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_begin
+    q_begin = tl.load(qsl_ptr + b * stride_qsl)
+    q_len = tl.load(qsl_ptr + (b + 1) * stride_qsl) - q_begin
     n_tiles = tl.cdiv(q_len, TOK)
     local = pid - (q_begin // TOK + b)
     if local >= n_tiles:
@@ -117,7 +117,7 @@ def _prefill_kernel(
     b64 = b.to(tl.int64)
     # The table's capacity bounds every read; a q_len above seq_len (rejected by the API when it
     # can see the lengths) is clamped rather than read out of bounds.
-    seq_len = tl.minimum(tl.load(seq_lens_ptr + b64), max_tokens)
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + b64 * stride_sl), max_tokens)
     off = tl.maximum(seq_len - q_len, 0)  # key position of the request's first query token
     t0 = local * TOK
     t_last = tl.minimum(t0 + TOK, q_len) - 1
@@ -211,7 +211,7 @@ def prefill_triton(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, 
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, lse,
         scale, t, batch, block_table.shape[1] * bs,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(),
-        *out.stride(), *lse.stride(),
+        *seq_lens.stride(), *query_start_loc.stride(), *out.stride(), *lse.stride(),
         GROUP=group, BS=bs, D=d, TOK=tok, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(d), BLOCK_B=block_b,
         CAUSAL=bool(causal), IEEE=q.dtype == torch.float32,
@@ -273,11 +273,13 @@ def _prefill_torch_chunk(q, k_cache, v_cache, block_table, items, starts, lens, 
     n_blk = kmax // bs
     live_blk = torch.arange(n_blk)[None, :] < ((n + bs - 1) // bs)[:, None]
     bt = torch.where(live_blk, block_table[req, :n_blk].long(), 0)  # dead ids are never read
-    k = k_cache[bt].flatten(1, 2).float()  # [R, kmax, Hkv, D]
-    v = v_cache[bt].flatten(1, 2).float()
-    s = torch.einsum("rqhgd,rkhd->rhgqk", qg, k) * scale
     keys = torch.arange(kmax)
-    ok = keys[None, None, :] < n[:, None, None]  # [R, 1, kmax]
+    in_seq = keys[None, :] < n[:, None]  # [R, kmax]
+    # Slots past a row's length may hold anything (NaN): zeroed, never used (0 * NaN is NaN).
+    k = k_cache[bt].flatten(1, 2).float().masked_fill(~in_seq[..., None, None], 0.0)  # [R, kmax, Hkv, D]
+    v = v_cache[bt].flatten(1, 2).float().masked_fill(~in_seq[..., None, None], 0.0)
+    s = torch.einsum("rqhgd,rkhd->rhgqk", qg, k) * scale
+    ok = in_seq[:, None, :]  # [R, 1, kmax]
     if causal:
         pos = (n - q_len)[:, None] + qi  # key position of each query  [R, qmax]
         ok = ok & (keys[None, None, :] <= pos[:, :, None])

@@ -11,7 +11,7 @@ import triton.language as tl
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_slot,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
@@ -20,7 +20,7 @@ def _write_kv_kernel(
 ):
     # One program per token: all its KV heads at once.
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t)
+    slot = tl.load(slot_ptr + t * stride_slot)
     # -1 marks padding; an id past the cache is skipped too, so a bad mapping never writes
     # outside the cache (PAGED_BACKEND_DEBUG=1 reports it instead).
     if (slot < 0) | (slot >= num_slots):
@@ -44,7 +44,7 @@ def write_kv_triton(key, value, k_cache, v_cache, slot_mapping):
     if t == 0:
         return
     _write_kv_kernel[(t,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, slot_mapping.stride(0),
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         h, k_cache.shape[0] * k_cache.shape[1], BS=k_cache.shape[1], D=d,
         BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d),

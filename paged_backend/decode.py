@@ -8,6 +8,7 @@ import torch
 
 from kernels.checks import (FLOAT_DTYPES, HEAD_DIMS, check_attention_inputs, check_block_table, check_plan_matches,
                             check_scale, check_shape, check_tensor, debug_enabled)
+from paged_backend.plan import check_plan_covers
 from kernels.decode import decode_torch, decode_triton
 from kernels.dispatch import use_triton
 from paged_backend.plan import DecodePlan, plan_decode
@@ -53,7 +54,7 @@ def _fits_plan(q, k_cache, v_cache, block_table, seq_lens, plan) -> bool:
             and top <= bt_shape[1] * bs
             and d in HEAD_DIMS and 0 < bs <= 256 and not bs & (bs - 1) and 0 < hkv and 0 < hq and not hq % hkv
             and q.device == dev and k_cache.device == dev and v_cache.device == dev and block_table.device == dev
-            and seq_lens.device == dev and not debug_enabled())
+            and seq_lens.device == dev and dev.type != "cpu" and not debug_enabled())
 
 
 def _fits_out(t, shape, dtype, device) -> bool:
@@ -73,6 +74,8 @@ def _checked(q, k_cache, v_cache, block_table, seq_lens, scale, plan, out, lse_o
                            head_dim=d, block_size=bs)
     check_block_table(block_table, seq_lens, nb, bs, batch, q.device,
                       seq_lens_host=None if plan is None else plan.seq_lens_host)
+    if plan is not None:
+        check_plan_covers(plan, seq_lens)
     out = _output("out", out, (batch, hq, d), q.dtype, q.device)
     lse = _output("lse_out", lse_out, (batch, hq), torch.float32, q.device)
     return scale, out, lse

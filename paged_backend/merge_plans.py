@@ -151,7 +151,7 @@ class ReducePlan(_Plan):
 
     def run(self, o, lse, group, out, out_lse):
         m, buf = self.m, self.buf
-        m.copy_(lse)
+        m.copy_(lse).masked_fill_(m == float("inf"), float("-inf"))  # +inf marks an empty state
         collective("tree_merge all_reduce(MAX) of lse", dist.all_reduce, m, op=dist.ReduceOp.MAX, group=group)
         if self.triton:
             weigh_pack_triton(o if o.is_contiguous() else o.contiguous(),

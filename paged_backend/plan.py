@@ -26,7 +26,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kernels.checks import HEAD_DIMS, check_heads
+from kernels.checks import HEAD_DIMS, check_heads, debug_enabled
 from kernels.dispatch import num_sms
 
 # Programs per SM for the decode kernel (4 warps, 3 pipeline stages, 64-token tiles); G = SMs x this.
@@ -43,6 +43,21 @@ def block_n_for(head_dim: int) -> int:
     """Tokens per KV tile (a work unit): 64 for D <= 128 (see PROGRAMS_PER_SM), halved for D = 256
     so three pipeline stages of K and V still fit in shared memory."""
     return 32 if head_dim > 128 else 64
+
+
+def check_plan_covers(plan: "DecodePlan", seq_lens: torch.Tensor) -> None:
+    """The kernels attend ``min(plan length, seq_lens)`` keys per request, the torch path
+    ``seq_lens``: a plan made from upper bounds is exact, one made for shorter lengths is not.
+    Checked where ``seq_lens`` is on the host, and with ``PAGED_BACKEND_DEBUG=1`` (a device copy)."""
+    if seq_lens.device.type != "cpu" and not debug_enabled():
+        return
+    lens = seq_lens.cpu().numpy()
+    short = np.flatnonzero(plan.seq_lens_host < lens)
+    if short.size:
+        i = int(short[0])
+        raise ValueError(
+            f"plan was made for shorter lengths than seq_lens: request {i} has seq_lens {int(lens[i])} but the plan "
+            f"{int(plan.seq_lens_host[i])} ({short.size} requests short); call plan.update(seq_lens) first")
 
 
 def _as_host_lens(seq_lens_cpu) -> np.ndarray:

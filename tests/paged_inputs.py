@@ -53,3 +53,37 @@ def make_decode_inputs(seq_lens, num_q_heads: int, num_kv_heads: int, head_dim: 
     bt = make_block_table(seq_lens, block_size, nb, device=device)
     q = (torch.randn(len(seq_lens), num_q_heads, head_dim, device=device) * q_scale).to(dtype)
     return q, k, v, bt, torch.tensor(list(seq_lens), dtype=torch.int32, device=device)
+
+
+def pad_table(block_table, seq_lens, block_size: int, pad_block: int):
+    """A copy of ``block_table`` whose entries past each row's last used block are ``pad_block``
+    (a real block id, as engines pad tables; what it holds must never be read)."""
+    bt = block_table.clone()
+    used = (seq_lens.long().cpu() + block_size - 1) // block_size
+    cols = torch.arange(bt.shape[1])
+    bt[cols[None, :] >= used[:, None]] = pad_block
+    return bt
+
+
+def poison_outside(k_cache, v_cache, block_table, seq_lens, value: float, which: str = "kv"):
+    """Writes ``value`` (NaN, +-inf) into every cache slot that no request's tokens ``[0, seq_len)``
+    occupy: unused rows of last blocks, blocks only padding entries point to, unused blocks.
+    ``which``: "k", "v" or "kv". In place; returns the caches."""
+    nb, bs = k_cache.shape[:2]
+    live = torch.zeros(nb * bs, dtype=torch.bool)
+    bt = block_table.long().cpu()
+    for b, n in enumerate(seq_lens.long().cpu().tolist()):
+        pos = torch.arange(n)
+        live[bt[b, pos // bs] * bs + pos % bs] = True
+    dead = (~live).view(nb, bs).to(k_cache.device)
+    for name, cache in (("k", k_cache), ("v", v_cache)):
+        if name in which:
+            cache[dead] = value
+    return k_cache, v_cache
+
+
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t`` with the same values and a stride of 2 elements along its last dim (and
+    rows further apart): how metadata arrives as a column of a wider host or device buffer."""
+    junk = torch.full_like(t, -7)
+    return torch.stack([t, junk], dim=-1)[..., 0]

@@ -193,3 +193,28 @@ def test_merge_many_bad_arguments():
         pb.merge_states_many(o[:0], lse[:0])
     with pytest.raises(TypeError, match="lse_stack"):
         pb.merge_states_many(o, lse.half())
+
+
+def test_decode_refuses_a_plan_for_shorter_lengths(dec):
+    """The kernels attend min(plan length, seq_lens), the torch path seq_lens: a plan made for
+    shorter lengths than host seq_lens is an error; one made from upper bounds is exact."""
+    with pytest.raises(ValueError, match=r"^plan .*seq_lens.*request 0"):
+        call_decode(dec, plan=plan_for([19, 5]))
+    want = call_decode(dec)
+    got = call_decode(dec, plan=plan_for([32, 30]))  # upper bounds: same result
+    assert torch.allclose(got[0], want[0], atol=1e-6) and torch.allclose(got[1], want[1], atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_decode_plan_for_shorter_lengths(monkeypatch):
+    """On the GPU the kernels attend min(plan length, seq_lens) keys; PAGED_BACKEND_DEBUG=1 reads
+    the device lengths and refuses the plan."""
+    q, k, v, bt, sl = make_decode_inputs([300, 50], 8, 2, 64, 16, torch.bfloat16, device="cuda")
+    short = pb.plan_decode([200, 50], num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, device="cuda")
+    got, _ = pb.paged_decode(q, k, v, bt, sl, plan=short)
+    want, _ = pb.paged_decode(q, k, v, bt, torch.tensor([200, 50], dtype=torch.int32, device="cuda"))
+    assert torch.equal(got, want)
+    monkeypatch.setenv("PAGED_BACKEND_DEBUG", "1")
+    with pytest.raises(ValueError, match="^plan .*shorter"):
+        pb.paged_decode(q, k, v, bt, sl, plan=short)

@@ -98,3 +98,25 @@ def test_associative_and_commutative(lses, seed):
         assert torch.equal(torch.isinf(x[1]), torch.isinf(y[1]))
         fin = torch.isfinite(x[1])
         assert torch.allclose(x[1][fin], y[1][fin], atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_plus_inf_lse_is_an_empty_state(device):
+    """FlashAttention-2 marks a row without keys with lse = +inf; like vLLM's merge, it is read as
+    empty (-inf), and an empty state adds nothing even where its o holds NaN."""
+    (a, b), _ = states_from_splits(4, 2, 64, [10, 12], torch.float32, seed=4)
+    a, b = [x.to(device) for x in a], [x.to(device) for x in b]
+    inf_o = torch.full_like(a[0], float("nan"))
+    inf_lse = a[1].clone()
+    inf_lse[1:3] = float("inf")
+    inf_o[0] = a[0][0]  # row 0 is a real state
+    o, lse = pb.merge_states(inf_o, inf_lse, *b)
+    assert torch.allclose(o[1:3], b[0][1:3]) and torch.equal(lse[1:3], b[1][1:3])
+    ref_o, ref_lse = pb.merge_states(a[0][:1], a[1][:1], b[0][:1], b[1][:1])
+    assert torch.equal(o[0], ref_o[0]) and torch.equal(lse[0], ref_lse[0])
+    o, lse = pb.merge_states_many(torch.stack([inf_o, b[0], inf_o]), torch.stack([inf_lse, b[1], inf_lse]))
+    assert torch.allclose(o[1:3], b[0][1:3]) and torch.equal(lse[1:3], b[1][1:3])
+    all_inf = torch.full_like(a[1], float("inf"))
+    o, lse = pb.merge_states(inf_o, all_inf, inf_o, all_inf)
+    assert torch.all(o == 0) and torch.all(lse == float("-inf"))

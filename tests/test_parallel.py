@@ -26,7 +26,7 @@ from paged_backend.context_parallel import (Placement, cp_decode, make_mesh, rin
                                             tp_head_slices)
 from paged_backend import merge_plans
 from paged_backend.parallel import CollectiveError, TreeMerger, get_merger, make_hierarchy, tree_merge
-from paged_inputs import make_decode_inputs
+from paged_inputs import make_decode_inputs, poison_outside, strided
 from reference import attend, assert_close_state, decode_reference, rel_err
 
 COLLECTIVE_TIMEOUT_S = 6  # process-group timeout in the dead/hung-peer jobs
@@ -161,6 +161,19 @@ def _check_tree_merge(rank, world):
     for s in ("allreduce", "allgather"):
         mo, ml = tree_merge(o, lse, strategy=s)
         assert_close_state(mo, ml, ref_o, ref_lse, torch.float32)
+    # lse = +inf marks an empty state (FlashAttention-2), as -inf does; its o may hold NaN
+    o_inf, lse_inf = o.clone(), lse.clone()
+    o_ref, lse_ref = o_stack.clone(), lse_stack.clone()
+    o_ref[0, 1], lse_ref[0, 1] = 0.0, float("-inf")
+    o_ref[:, 2], lse_ref[:, 2] = 0.0, float("-inf")  # empty on every rank: o = 0, lse = -inf
+    if rank == 0:
+        o_inf[1], lse_inf[1] = float("nan"), float("inf")
+    o_inf[2], lse_inf[2] = float("nan"), float("inf")
+    ref_o, ref_lse = _merge_reference(o_ref, lse_ref)
+    for s in ("allreduce", "allgather"):
+        mo, ml = tree_merge(o_inf, lse_inf, strategy=s)
+        assert_close_state(mo, ml, ref_o, ref_lse, torch.float32)
+        assert torch.all(mo[2] == 0) and bool(torch.isneginf(ml[2]).all()), s
     # bf16 and fp16 o keep their dtype; tolerance of the dtype
     for dt in (torch.bfloat16, torch.float16):
         o_lo, o_stack_lo = o.to(dt), o_stack.to(dt)
@@ -222,12 +235,15 @@ def _check_cp_decode(rank, world):
         need = max(int(((Placement(world, r, 16).local_lens(sl.long()) + 15) // 16).sum()) for r in range(world))
         k_l, v_l, bt_l, sl_l = shard_paged_kv(k, v, bt, sl, pl, num_blocks=need + 1)
         assert torch.equal(sl_l.long(), pl.local_lens(sl.long()))
+        poison_outside(k_l, v_l, bt_l, sl_l, float("nan"))  # slots past each local length: never read
         plan = pb.plan_decode(sl_l.numpy(), num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
                               device="cpu")
         for fn, kw in ((cp_decode, dict(plan=plan)), (cp_decode, dict(strategy="allreduce")), (ring_decode, {})):
             o, lse = fn(q, k_l, v_l, bt_l, sl_l, **kw)
             assert o.dtype == dt
             assert_close_state(o, lse, ref_o, ref_lse, dt)
+        o_s, lse_s = cp_decode(q, k_l, v_l, strided(bt_l), strided(sl_l), plan=plan)  # strided metadata
+        assert torch.equal(o_s, cp_decode(q, k_l, v_l, bt_l, sl_l, plan=plan)[0])
         # no copy: the global cache with this rank's columns of the global table
         o, lse = cp_decode(q, k, v, bt[:, pl.local_columns(bt.shape[1])].contiguous(),
                            pl.local_lens(sl.long()).to(torch.int32))
