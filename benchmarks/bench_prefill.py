@@ -33,7 +33,7 @@ from common import (free_memory, gpu_name, gpu_slug, md_table, now, rel_err, sho
                     versions, write_json, write_md_section)
 
 import paged_backend as pb  # noqa: E402
-from kernels.prefill import prefill_config, prefill_triton  # noqa: E402
+from paged_backend.kernels.prefill import prefill_config, prefill_triton  # noqa: E402
 
 LN2 = math.log(2.0)
 CASES = [

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scheduler import BlockManager, SamplingParams, Scheduler  # noqa: E402
+from paged_backend.scheduler import BlockManager, SamplingParams, Scheduler  # noqa: E402
 
 
 def pct(xs, q):

@@ -44,7 +44,7 @@ def per_call_us(fn, calls: int, rounds: int = 5) -> float:
 
 def child(args) -> dict:
     import paged_backend as pb
-    from kernels import decode as kernels_decode, launch
+    from paged_backend.kernels import decode as kernels_decode, launch
     from paged_backend import decode as public_decode
 
     inp = make_paged_inputs([args.len] * args.batch, 32, 8, 128, 16, torch.bfloat16, "cuda", rotate_sets=False)

@@ -25,10 +25,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from kernels.attend import attend_paged_range
-from kernels.decode import call_key, fold_states, remember, run_pieces
-from kernels.dispatch import use_pdl
-from kernels.launch import launch, pow2, replay_stream
+from paged_backend.kernels.attend import attend_paged_range
+from paged_backend.kernels.decode import call_key, fold_states, remember, run_pieces
+from paged_backend.kernels.dispatch import use_pdl
+from paged_backend.kernels.launch import launch, pow2, replay_stream
 
 # Warps per node tile of BLOCK_M rows (H100 sweeps, 2026-11-21): a 256-row tile on 16 warps keeps
 # four warpgroups in flight, so one's softmax overlaps another's wgmma; at 128 registers a thread

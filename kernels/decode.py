@@ -14,9 +14,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels.attend import attend_paged_range
-from kernels.dispatch import num_sms, use_pdl
-from kernels.launch import Relaunch, launch, pow2, replay_stream
+from paged_backend.kernels.attend import attend_paged_range
+from paged_backend.kernels.dispatch import num_sms, use_pdl
+from paged_backend.kernels.launch import Relaunch, launch, pow2, replay_stream
 
 
 @triton.jit

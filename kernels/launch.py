@@ -40,7 +40,7 @@ from operator import and_, attrgetter
 import torch
 import triton
 
-from kernels.dispatch import INTERPRET
+from paged_backend.kernels.dispatch import INTERPRET
 
 try:
     from triton import knobs

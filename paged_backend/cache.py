@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.checks import FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor, debug_enabled
-from kernels.copy_blocks import copy_blocks_torch, copy_blocks_triton
-from kernels.dispatch import use_triton
-from kernels.write_kv import write_kv_torch, write_kv_triton
+from paged_backend.kernels.checks import FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor, debug_enabled
+from paged_backend.kernels.copy_blocks import copy_blocks_torch, copy_blocks_triton
+from paged_backend.kernels.dispatch import use_triton
+from paged_backend.kernels.write_kv import write_kv_torch, write_kv_triton
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

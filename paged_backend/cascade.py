@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.cascade import cascade_torch, cascade_triton
-from kernels.checks import HEAD_DIMS, check_attention_inputs, check_heads, check_plan_matches
-from kernels.decode import decode_triton
-from kernels.dispatch import use_triton
+from paged_backend.kernels.cascade import cascade_torch, cascade_triton
+from paged_backend.kernels.checks import HEAD_DIMS, check_attention_inputs, check_heads, check_plan_matches
+from paged_backend.kernels.decode import decode_triton
+from paged_backend.kernels.dispatch import use_triton
 from paged_backend.cascade_plan import CascadeCost, CascadePlan, build_plan
 
 __all__ = ["CascadePlan", "CascadeCost", "plan_cascade", "cascade_decode"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.dispatch import num_sms
+from paged_backend.kernels.dispatch import num_sms
 from paged_backend.plan import cut_pieces
 
 NODE_FIELDS = 7  # (rep request, kv_head, member base, members in block, token_start, token_end, slot base)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels.checks import debug_enabled
+from paged_backend.kernels.checks import debug_enabled
 from paged_backend.cascade_forest import auto_forest, group_forest
 from paged_backend.cascade_partition import LEAF_FIELDS, NODE_FIELDS, partition, staging, upload
 from paged_backend.cascade_reuse import check_held, restrict_forest

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import paged_backend as pb
-from kernels.checks import FLOAT_DTYPES, check_kv_cache, check_tensor, debug_enabled
+from paged_backend.kernels.checks import FLOAT_DTYPES, check_kv_cache, check_tensor, debug_enabled
 from paged_backend.parallel import CollectiveError, all_gather_flat, collective, get_merger, grid_groups
 from paged_backend.parallel import tree_merge  # noqa: F401 (re-exported, as before)
 

@@ -6,11 +6,11 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kernels.checks import (FLOAT_DTYPES, HEAD_DIMS, check_attention_inputs, check_block_table, check_plan_matches,
+from paged_backend.kernels.checks import (FLOAT_DTYPES, HEAD_DIMS, check_attention_inputs, check_block_table, check_plan_matches,
                             check_scale, check_shape, check_tensor, debug_enabled)
 from paged_backend.plan import check_plan_covers
-from kernels.decode import decode_torch, decode_triton
-from kernels.dispatch import use_triton
+from paged_backend.kernels.decode import decode_torch, decode_triton
+from paged_backend.kernels.dispatch import use_triton
 from paged_backend.plan import DecodePlan, plan_decode
 
 

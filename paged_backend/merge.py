@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.checks import FLOAT_DTYPES, check_shape, check_tensor
-from kernels.dispatch import use_triton
-from kernels.merge import merge_torch, merge_triton
+from paged_backend.kernels.checks import FLOAT_DTYPES, check_shape, check_tensor
+from paged_backend.kernels.dispatch import use_triton
+from paged_backend.kernels.merge import merge_torch, merge_triton
 
 
 def _check_state(name_o: str, o, name_lse: str, lse, device=None):

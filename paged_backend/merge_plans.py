@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kernels.dispatch import use_triton
-from kernels.merge import (merge_gathered_triton, merge_torch, rows_config, weigh_finish_torch, weigh_finish_triton,
+from paged_backend.kernels.dispatch import use_triton
+from paged_backend.kernels.merge import (merge_gathered_triton, merge_torch, rows_config, weigh_finish_torch, weigh_finish_triton,
                            weigh_pack_torch, weigh_pack_triton)
 
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # 2.13 renamed it

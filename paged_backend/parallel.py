@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from kernels.checks import FLOAT_DTYPES, check_shape, check_tensor, debug_enabled
+from paged_backend.kernels.checks import FLOAT_DTYPES, check_shape, check_tensor, debug_enabled
 from paged_backend.merge_plans import CollectiveError  # noqa: F401 (public here, as before)
 from paged_backend.merge_plans import GatherPlan, ReducePlan, all_gather_flat, collective, try_capture
 

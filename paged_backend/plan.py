@@ -26,8 +26,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kernels.checks import HEAD_DIMS, check_heads, debug_enabled
-from kernels.dispatch import num_sms
+from paged_backend.kernels.checks import HEAD_DIMS, check_heads, debug_enabled
+from paged_backend.kernels.dispatch import num_sms
 
 # Programs per SM for the decode kernel (4 warps, 3 pipeline stages, 64-token tiles); G = SMs x this.
 # Swept on an H200 (2026-11-21) with 1-6 programs per SM and 32/64/128-token tiles: 2 x 64 was best

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.checks import check_attention_inputs, check_block_table, check_tensor, debug_enabled
-from kernels.dispatch import use_triton
-from kernels.prefill import prefill_torch, prefill_triton
+from paged_backend.kernels.checks import check_attention_inputs, check_block_table, check_tensor, debug_enabled
+from paged_backend.kernels.dispatch import use_triton
+from paged_backend.kernels.prefill import prefill_torch, prefill_triton
 
 
 def check_query_start_loc(query_start_loc, num_tokens: int, batch: int, device, query_start_loc_host=None,

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from scheduler import BlockManager, Sequence
+from paged_backend.scheduler import BlockManager, Sequence
 
 NB, BS = 48, 4
 STEPS = {"n": 0}

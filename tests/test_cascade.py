@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import paged_backend as pb
-from kernels.dispatch import INTERPRET
+from paged_backend.kernels.dispatch import INTERPRET
 from paged_backend.cascade_forest import auto_forest
 from paged_backend.cascade_plan import CascadeCost
 from tests.paged_inputs import make_cache

@@ -151,8 +151,8 @@ def test_bad_ids_leave_cache_untouched():
 def test_kernel_skips_out_of_range_ids():
     # the launchers themselves (what runs on the GPU without PAGED_BACKEND_DEBUG) never write a
     # pair with an id outside [0, NB)
-    from kernels.copy_blocks import copy_blocks_torch, copy_blocks_triton
-    from kernels.dispatch import INTERPRET
+    from paged_backend.kernels.copy_blocks import copy_blocks_torch, copy_blocks_triton
+    from paged_backend.kernels.dispatch import INTERPRET
     fn = copy_blocks_triton if INTERPRET else copy_blocks_torch
     k, v = make_cache(4, 2, 1, 64, torch.float32)
     want = _expected([k, v], [(0, 2)])

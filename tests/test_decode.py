@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import paged_backend as pb
-from kernels.dispatch import INTERPRET
+from paged_backend.kernels.dispatch import INTERPRET
 from paged_inputs import make_decode_inputs
 from reference import assert_close_state, decode_reference
 

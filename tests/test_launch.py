@@ -11,10 +11,10 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
 import paged_backend as pb
-from kernels import launch
-from kernels.cascade import _cascade_node_kernel
-from kernels.decode import _decode_kernel, _fold_states_kernel
-from kernels.dispatch import INTERPRET
+from paged_backend.kernels import launch
+from paged_backend.kernels.cascade import _cascade_node_kernel
+from paged_backend.kernels.decode import _decode_kernel, _fold_states_kernel
+from paged_backend.kernels.dispatch import INTERPRET
 from paged_backend.cascade_plan import CascadeCost
 from paged_inputs import make_cache, make_decode_inputs
 

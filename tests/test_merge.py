@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import paged_backend as pb
-from kernels.dispatch import INTERPRET
+from paged_backend.kernels.dispatch import INTERPRET
 from reference import TOL, attend, rel_err
 
 pytestmark = pytest.mark.kernel

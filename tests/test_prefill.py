@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import paged_backend as pb
-from kernels.dispatch import INTERPRET
-from kernels.prefill import prefill_torch
+from paged_backend.kernels.dispatch import INTERPRET
+from paged_backend.kernels.prefill import prefill_torch
 from tests.paged_inputs import make_block_table, make_cache
 from tests.reference import assert_close_state, decode_reference, prefill_reference
 
@@ -197,7 +197,7 @@ def test_torch_chunking():
 @pytest.mark.skipif(not INTERPRET, reason="kernel tile variants run in the Triton interpreter (or on a GPU)")
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (64, 32)])
 def test_kernel_tile_sizes(block_m, block_n):
-    from kernels.prefill import prefill_triton
+    from paged_backend.kernels.prefill import prefill_triton
     q, k, v, bt, sl, qsl = make_prefill_inputs([21, 1, 3], [40, 17, 3], 8, 1, 64, 4, F32)
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"))

@@ -1,6 +1,6 @@
 import pytest
 
-from scheduler import SamplingParams
+from paged_backend.scheduler import SamplingParams
 
 
 def test_defaults_and_normalisation():

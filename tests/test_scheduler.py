@@ -2,7 +2,6 @@
 machine over add/step/preempt; liveness under memory pressure; import without torch/triton."""
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,9 +9,8 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from scheduler import BlockManager, SamplingParams, Scheduler, SequenceStatus
+from paged_backend.scheduler import BlockManager, SamplingParams, Scheduler, SequenceStatus
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = {"n": 0}
 
 
@@ -296,13 +294,14 @@ def test_scheduler_state_machine():
     assert STEPS["n"] - before >= 4000
 
 
-def test_import_without_torch_or_triton():
+def test_import_without_torch_or_triton(tmp_path):
     code = ("import sys\n"
             "for m in ('torch', 'triton'): sys.modules[m] = None\n"
-            "import scheduler\n"
-            "from scheduler import BlockManager, Scheduler, SamplingParams\n"
+            "import paged_backend.scheduler\n"
+            "from paged_backend.scheduler import BlockManager, Scheduler, SamplingParams\n"
             "s = Scheduler(BlockManager(8, 4)); s.add_request([1, 2]); s.schedule()\n"
             "assert not any(m.split('.')[0] in ('torch', 'triton') and sys.modules[m] is not None"
             " for m in sys.modules)\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    # outside the repository: the installed paged_backend.scheduler, not the source folder
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

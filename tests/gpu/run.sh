@@ -48,7 +48,7 @@ STATUS=0; SUMMARY=()
   echo "nvcc: $(command -v nvcc || echo missing) $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*')"
   echo "ninja: $(command -v ninja || echo missing)  CUDA_HOME=${CUDA_HOME:-unset}"
 } 2>&1 | tee "$OUT/env.txt"
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+. tests/gpu/env.sh
 
 python3 - <<'EOF' 2>&1 | tee -a "$OUT/env.txt"
 import importlib, torch, triton
