@@ -2,7 +2,7 @@
 
 The scheduler reads only ``n``, ``max_tokens``, ``stop_token_ids`` and ``stop`` (stop strings,
 checked when the scheduler was given a ``detokenize`` callable); the rest is carried for the
-engine's sampler.
+engine's sampler (``paged_backend.integration.sampler``) and its outputs.
 """
 from __future__ import annotations
 
@@ -26,12 +26,20 @@ class SamplingParams:
     n:              number of samples that share the prompt (>= 1); the prompt is prefilled
                     once and forked into n sequences (copy-on-write KV blocks).
     temperature:    >= 0; 0 means greedy.
-    top_p:          in (0, 1].
-    top_k:          -1 or 0 disables; otherwise >= 1.
+    top_p:          in (0, 1]: keep the smallest set of most likely tokens whose probability
+                    reaches top_p (after top_k).
+    top_k:          -1 or 0 disables; otherwise >= 1: keep the k most likely tokens.
+    min_p:          in [0, 1]: drop tokens less likely than min_p times the most likely one.
     max_tokens:     >= 1 generated tokens per sample.
-    seed:           None or an int >= 0 (for the engine's per-request generator).
-    stop_token_ids: token ids that end a sample (put EOS here); the stop token is kept.
+    seed:           None or an int >= 0: the request's samples are a function of the seed, the
+                    model and the prompt alone (not of the batch they run in).
+    stop_token_ids: token ids that end a sample; the engine adds the model's EOS unless
+                    ignore_eos. The stop token is kept in the token ids.
     stop:           stop strings (a str or a sequence of non-empty str); need a detokenizer.
+                    The text ends before the first stop string.
+    logprobs:       None, or k >= 0: also return the k most likely tokens' log-probabilities at
+                    each step (the sampled token's is always returned).
+    ignore_eos:     keep sampling past the model's EOS (benchmarks: a fixed output length).
     """
 
     n: int = 1
@@ -42,11 +50,14 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)
+    min_p: float = 0.0
+    logprobs: int | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, 1)
         self.max_tokens = _int("max_tokens", self.max_tokens, 1)
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(v):
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
@@ -55,6 +66,12 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None:
+            self.logprobs = _int("logprobs", self.logprobs, 0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         self.top_k = _int("top_k", self.top_k, -1)
         if self.top_k == 0:
             self.top_k = -1
@@ -74,6 +91,7 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty str, got {s!r}")
         self.stop = stop
         self._stop_ids = frozenset(self.stop_token_ids)
+        self._stop_window = 4 * max(map(len, stop), default=0) + 4  # output tokens a stop check decodes
 
     @property
     def greedy(self) -> bool:

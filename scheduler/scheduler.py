@@ -83,6 +83,26 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort(self, request_id) -> SequenceGroup:
+        """Drops a request wherever it is: its unfinished samples end with finish_reason "abort"
+        and its blocks are freed. Call it between steps (a sequence's scheduled KV must have been
+        written before its blocks can enter the prefix cache)."""
+        g = self.requests.pop(request_id, None)
+        if g is None:
+            raise ValueError(f"unknown request_id {request_id!r}")
+        if g in self.running:
+            self.running.remove(g)
+            self._num_running_seqs -= g.num_seq_slots
+        elif g in self.waiting:
+            self.waiting.remove(g)
+        for s in g.seqs:
+            if s.status is RUNNING:
+                self.bm.free(s)
+            if s.status is not FINISHED:
+                s.status, s.finish_reason = FINISHED, "abort"
+        g.num_live = 0
+        return g
+
     def preempt(self, group: SequenceGroup) -> None:
         """Recompute preemption: free the group's blocks and put it at the front of waiting with
         its generated tokens kept (prompt + outputs are prefilled again on resume)."""
@@ -283,7 +303,10 @@ class Scheduler:
         elif self.max_model_len is not None and len(s.token_ids) >= self.max_model_len:
             reason = "length"
         elif p.stop and self.detokenize is not None:
-            text = self.detokenize(s.output_token_ids)
+            # Only the tail can hold a stop string that this token completed: a character takes at
+            # most 4 byte-level tokens, so 4 tokens per character of the longest stop string (and
+            # a few more, so the tail's first token, decoded out of context, is not part of it).
+            text = self.detokenize(s.token_ids[max(s.num_prompt_tokens, len(s.token_ids) - p._stop_window):])
             if any(x in text for x in p.stop):
                 reason = "stop"
         if reason is None:

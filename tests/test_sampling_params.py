@@ -29,6 +29,12 @@ def test_defaults_and_normalisation():
     (dict(stop=[""]), "stop strings must be non-empty"),
     (dict(stop=[3]), "stop strings must be non-empty str"),
     (dict(stop=3), "stop must be a str or a sequence"),
+    (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
+    (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
+    (dict(min_p=None), "min_p must be a finite number"),
+    (dict(logprobs=-1), "logprobs must be >= 0"),
+    (dict(logprobs=2.0), "logprobs must be an integer"),
+    (dict(ignore_eos=1), "ignore_eos must be a bool"),
 ])
 def test_invalid(kwargs, match):
     with pytest.raises(ValueError, match=match):

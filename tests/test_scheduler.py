@@ -196,6 +196,42 @@ def test_stop_token_and_stop_string():
     assert sched.bm.num_free_blocks == 32
 
 
+def test_stop_string_found_from_the_tail_only():
+    """The stop check decodes a tail of 4 tokens per stop-string character (+4), never the whole output."""
+    seen = []
+
+    def detok(ids):
+        seen.append(len(ids))
+        return "".join("ab"[t % 2] for t in ids)
+
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=16, detokenize=detok)
+    g = sched.add_request([1, 2], SamplingParams(max_tokens=40, stop=["bba"]))
+    toks = [0] * 30 + [1, 1, 0]
+    for t in toks:
+        sched.postprocess(sched.schedule(), [t])
+    assert g.is_finished and g.finish_reasons == ["stop"] and len(g.outputs[0]) == 33
+    assert max(seen) == 4 * 3 + 4
+
+
+def test_abort_frees_blocks_wherever_the_request_is():
+    sched = Scheduler(BlockManager(64, 4, watermark=0), max_num_seqs=8, max_num_batched_tokens=64)
+    eng = FakeEngine(sched)
+    running = sched.add_request(list(range(10)), SamplingParams(n=3, max_tokens=20))
+    other = sched.add_request(list(range(5)), SamplingParams(n=2, max_tokens=6))
+    eng.step()
+    eng.step()
+    waiting = sched.add_request(list(range(7)), SamplingParams(max_tokens=4))
+    for rid in (running.request_id, waiting.request_id):
+        g = sched.abort(rid)
+        assert g.is_finished and all(s.finish_reason == "abort" for s in g.seqs)
+        assert rid not in sched.requests
+        check_accounting(sched)
+    with pytest.raises(ValueError, match="request_id"):
+        sched.abort(running.request_id)
+    drain(sched, eng)
+    assert other.is_finished and sched.bm.num_free_blocks == sched.bm.num_blocks
+
+
 def test_request_validation():
     sched = Scheduler(BlockManager(10, 4, watermark=0.1), max_num_seqs=4, max_num_batched_tokens=16)
     with pytest.raises(ValueError, match="KV blocks"):
