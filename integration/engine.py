@@ -1,0 +1,380 @@
+"""The offline engine: ``LLM(model).generate(prompts, SamplingParams(...))``, as in vLLM.
+
+One step, each arrow one module::
+
+    scheduler.schedule() -> ScheduledBatch (host arrays)
+      -> StepBuilder.build: device copies + one plan for the step       (step.py)
+      -> the model's own forward; attention through the paged ops       (hf_attention.py)
+      -> Sampler: every sample row in one batched call on the device    (sampler.py)
+      -> scheduler.postprocess -> finished requests -> RequestOutput    (outputs.py)
+
+The scheduler owns requests, blocks, prefix caching, forks for ``n``, copy-on-write, chunked
+prefill and preemption; the engine owns the model, the KV cache tensors and the sampling.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from paged_backend.cascade import CascadeCost
+from paged_backend.scheduler import BlockManager, SamplingParams, Scheduler
+
+from . import hf_attention, models
+from .kv_cache import KVCacheSpec, PagedKVCache, blocks_for
+from .outputs import CompletionOutput, RequestOutput, RunStats
+from .sampler import SampleRows, Sampler, row_keys
+from .step import CASCADE, DECODE, StepBuilder
+
+log = logging.getLogger("paged_backend")
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams  # with the model's EOS added to stop_token_ids (unless ignore_eos)
+    seed: int
+
+
+class LLM:
+    """An offline engine over a transformers causal LM whose attention runs on paged-backend.
+
+    model: None (the embedded SmolLM2-135M-Instruct GGUF, see ``models``), a local Hugging Face
+    model directory, a ``.gguf`` file, or an already loaded ``transformers`` causal LM (then pass
+    its ``tokenizer`` too, or prompts as token ids). dtype: "auto" (fp32 on the CPU, bf16 on a
+    GPU), or fp32/fp16/bf16. device: default "cuda" when available. block_size: tokens per KV
+    block. num_blocks or kv_memory_fraction: the KV pool, in blocks or as a fraction of the memory
+    free after loading (default 0.9 on a GPU, 0.25 on the CPU). max_num_seqs: sequences per step
+    (a request counts its n samples). max_model_len: prompt + output tokens per sequence (default:
+    the model's context). max_num_batched_tokens: tokens per step (prefill chunks + decodes).
+    cascade: decode samples that share a prompt with ``pb.cascade_decode`` (a shared prefix read
+    once, where its cost model says it pays; a ``CascadeCost`` replaces that model) - False runs
+    every decode flat. seed: the seed of requests that give none.
+    """
+
+    def __init__(self, model=None, *, tokenizer=None, dtype="auto", device=None, block_size: int = 16,
+                 num_blocks: int | None = None, kv_memory_fraction: float | None = None, max_num_seqs: int = 256,
+                 max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool = True, cascade: bool | CascadeCost = True, seed: int = 0):
+        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = models.pick_dtype(dtype, self.device)
+        if isinstance(model, torch.nn.Module):
+            hf_attention.register()
+            model.set_attn_implementation(hf_attention.ATTN_IMPLEMENTATION)
+            model = model.to(device=self.device, dtype=self.dtype).eval()
+            self.info, self.max_model_len = models.describe(model, tokenizer, type(model).__name__, max_model_len)
+        else:
+            self.info, self.max_model_len = models.load(model, dtype=self.dtype, device=self.device,
+                                                        max_model_len=max_model_len)
+        self.model, self.tokenizer = self.info.model, self.info.tokenizer
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or block_size > 256 \
+                or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two in 1..256, got {block_size!r}")
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
+        spec = KVCacheSpec(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim, block_size, self.dtype,
+                           self.device)
+        useful = max_num_seqs * -(-self.max_model_len // block_size) + 1
+        self.cache = PagedKVCache(spec, blocks_for(spec, num_blocks=num_blocks, kv_memory_fraction=kv_memory_fraction,
+                                                   max_useful_blocks=useful))
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(8192 if self.device.type == "cuda" else 2048, max_num_seqs)
+        self._sched_args = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=self.max_model_len, detokenize=self._detokenize if self.tokenizer else None)
+        self._prefix_caching = enable_prefix_caching
+        self._new_scheduler()
+        self.builder = StepBuilder(self.cache, num_q_heads=self.info.num_q_heads, cascade=bool(cascade),
+                                   cascade_cost=cascade if isinstance(cascade, CascadeCost) else None)
+        self.sampler = Sampler(self.info.vocab_size, self.device)
+        self._seeds = np.random.default_rng(seed)
+        self._next_id = 0
+        self.last_stats = RunStats()
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs every prompt to the end -> one :class:`RequestOutput` per prompt, in input order.
+
+        prompts: a str, ``{"prompt": str}``, ``{"prompt_token_ids": [int, ...]}``, or a list of
+        those. sampling_params: one for all, or one per prompt (default ``SamplingParams()``).
+        Malformed prompts or parameters raise before anything runs; a request over the engine's
+        limits (``max_model_len``, the KV pool, ``max_num_seqs`` for ``n``) comes back with
+        ``error`` set while the others run."""
+        reqs = self._prepare(prompts, sampling_params, None)
+        outs = {o.request_id: o for o in self._run(reqs, use_tqdm)}
+        return [outs[r.request_id] for r in reqs]
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """``generate`` on conversations (a list of ``{"role", "content"}`` dicts, or a list of
+        them) through the model's chat template."""
+        return self.generate(self.chat_prompts(messages, add_generation_prompt=add_generation_prompt,
+                                               chat_template_kwargs=chat_template_kwargs),
+                             sampling_params, use_tqdm)
+
+    def chat_prompts(self, messages, *, add_generation_prompt: bool = True,
+                     chat_template_kwargs: dict | None = None) -> list[dict]:
+        """Conversations -> prompts for :meth:`generate` (the template's text and its token ids)."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.info.name} has no chat template; send raw prompts with generate()")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        out = []
+        for i, conv in enumerate(convs):
+            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+                raise ValueError(f"messages[{i}] must be a non-empty list of {{'role': ..., 'content': ...}} dicts")
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                      **(chat_template_kwargs or {}))
+            out.append({"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids})
+        return out
+
+    def generate_iter(self, prompts, sampling_params=None, *, use_tqdm: bool = False,
+                      request_ids: list[str] | None = None) -> Iterator[RequestOutput]:
+        """Like :meth:`generate`, but yields each request's output as soon as it finishes (rejected
+        requests first). Closing the iterator early aborts the requests still running. Prompts
+        and parameters are checked here, before the first output."""
+        return self._run(self._prepare(prompts, sampling_params, request_ids), use_tqdm)
+
+    def _run(self, reqs: list[_Request], use_tqdm: bool) -> Iterator[RequestOutput]:
+        stats = self.last_stats = RunStats(num_requests=len(reqs), num_kv_blocks=self.cache.num_blocks,
+                                           kv_block_bytes=self.cache.spec.bytes_per_block)
+        t_start = time.perf_counter()
+        hits_before, self._preemptions_before = self.sched.bm.prefix_hit_tokens, self.sched.num_preemptions
+        bar = _progress(len(reqs), use_tqdm)
+        live: set[str] = set()
+        try:
+            for r in reqs:
+                try:
+                    self.sched.add_request(r.token_ids, r.params, request_id=r.request_id)
+                except ValueError as e:  # over a limit of this engine: this request only
+                    stats.num_rejected += 1
+                    log.warning("request %s rejected: %s", r.request_id, e)
+                    bar.update(1)
+                    yield RequestOutput(r.request_id, r.prompt, r.token_ids, [], error=str(e))
+                    continue
+                live.add(r.request_id)
+                self._requests[r.request_id] = r
+                stats.num_samples += r.params.n
+                stats.prompt_tokens += len(r.token_ids)
+            while self.sched.has_unfinished():
+                for g in self._step(stats):
+                    live.discard(g.request_id)
+                    out = self._output(g)
+                    stats.generated_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    stats.cached_prompt_tokens = self.sched.bm.prefix_hit_tokens - hits_before
+                    stats.wall_time = time.perf_counter() - t_start
+                    bar.update(1)
+                    bar.set_postfix_str(f"{stats.tokens_per_s:.1f} tok/s", refresh=False)
+                    yield out
+        finally:
+            stats.wall_time = time.perf_counter() - t_start
+            bar.close()
+            for rid in live:  # closed early: the step boundary is behind us, so blocks free safely
+                if rid in self.sched.requests:
+                    g = self.sched.abort(rid)
+                    self._drop(g)
+                self._requests.pop(rid, None)
+
+    # ------------------------------------------------------------------ one step
+    def _step(self, stats: RunStats):
+        sched = self.sched
+        batch = sched.schedule()
+        if batch.is_empty:
+            raise RuntimeError("the scheduler made no progress with requests pending (a bug: please report it)")
+        t0 = time.perf_counter()
+        try:
+            self.cache.copy_blocks(batch.block_copies)
+            step = self.builder.build(batch)
+            with torch.inference_mode():
+                logits = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
+                                    logits_to_keep=step.logits_indices, paged_step=step).logits[0]  # [R, V]
+                rows, fork = self._sample_rows(batch)
+                if fork is not None:
+                    logits = logits.repeat_interleave(torch.from_numpy(fork).to(logits.device), dim=0)
+                sampled = self.sampler(logits, rows)
+                host = torch.stack([sampled.tokens.double(), sampled.logprobs.double()]).cpu().numpy()
+                top = None if sampled.top_ids is None else (sampled.top_ids.cpu().numpy(),
+                                                            sampled.top_logprobs.cpu().numpy())
+        except BaseException:
+            self._new_scheduler()  # the step's KV may be half written: drop every block and cached prefix
+            raise
+        tokens = host[0].astype(np.int64)
+        done = sched.postprocess(batch, tokens)
+        self._record(batch, host[1], top, tokens)
+        dt = time.perf_counter() - t0
+        stats.steps += 1
+        if batch.num_prefill_tokens:
+            stats.prefill_time += dt
+        else:
+            stats.decode_time += dt
+            stats.decode_steps += 1
+            stats.cascade_steps += step.kind == CASCADE and not step.plan.is_flat
+        bm = sched.bm
+        used = bm.num_blocks - bm.num_free_blocks
+        stats.peak_kv_blocks = max(stats.peak_kv_blocks, used)
+        stats.peak_shared_bytes = max(stats.peak_shared_bytes, (bm.num_held - used) * bm.bytes_per_block)
+        stats.preemptions = sched.num_preemptions - self._preemptions_before
+        return done
+
+    def _sample_rows(self, batch) -> tuple[SampleRows, np.ndarray | None]:
+        """The step's sample rows: each row with num_samples = c > 0 gives c rows (a prompt that
+        forks into n samples draws n tokens from its last position). -> (rows, c per row or None
+        when every c is 1)."""
+        sel = np.flatnonzero(batch.num_samples)
+        counts = batch.num_samples[sel]
+        seqs = [batch.seqs[i] for i in sel]
+        per = np.array([(self._requests[s.group.request_id].seed, self._sample_index.get(s.seq_id, 0),
+                         len(s.token_ids) - s.num_prompt_tokens) for s in seqs], np.int64).reshape(-1, 3)
+        params = [seqs[i].group.params for i in range(len(seqs))]
+        fork = None
+        if (counts > 1).any():
+            rep = np.repeat(np.arange(len(sel)), counts)
+            first = np.repeat(np.cumsum(counts) - counts, counts)
+            per = per[rep]
+            per[:, 1] += np.arange(rep.size) - first  # a fork row's samples are 0..n-1
+            params = [params[i] for i in rep]
+            fork = counts.astype(np.int64)
+        rows = SampleRows(
+            temperature=np.array([p.temperature for p in params], np.float32),
+            top_k=np.array([p.top_k for p in params], np.int64),
+            top_p=np.array([p.top_p for p in params], np.float32),
+            min_p=np.array([p.min_p for p in params], np.float32),
+            key=row_keys(per[:, 0].astype(np.uint64), per[:, 1], per[:, 2]),
+            num_logprobs=max((p.logprobs or 0 for p in params), default=0))
+        return rows, fork
+
+    def _record(self, batch, logprobs: np.ndarray, top, tokens: np.ndarray) -> None:
+        """Adds each sampled token's log-probability (and top-k) to its sample's running totals."""
+        k = 0
+        for i in np.flatnonzero(batch.num_samples).tolist():
+            s, c = batch.seqs[i], int(batch.num_samples[i])
+            fam = s.group.seqs[:c] if c > 1 else (s,)
+            for j, t in enumerate(fam):
+                if c > 1:
+                    self._sample_index[t.seq_id] = j
+                self._cumulative[t.seq_id] = self._cumulative.get(t.seq_id, 0.0) + float(logprobs[k])
+                n_top = t.group.params.logprobs
+                if n_top is not None:
+                    entry = {int(tokens[k]): float(logprobs[k])}
+                    if n_top:
+                        entry.update(zip(top[0][k, :n_top].tolist(), top[1][k, :n_top].tolist()))
+                    self._logprobs.setdefault(t.seq_id, []).append(entry)
+                k += 1
+
+    # ------------------------------------------------------------------ requests in and out
+    def _prepare(self, prompts, sampling_params, request_ids) -> list[_Request]:
+        """Validates every prompt and parameter set before anything runs -> requests."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise TypeError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+        if request_ids is not None and len(request_ids) != len(prompts):
+            raise ValueError(f"request_ids has {len(request_ids)} entries for {len(prompts)} prompts")
+        reqs = []
+        for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
+            text, ids = self._tokens(p, i)
+            if not sp.ignore_eos and self.info.eos_token_ids:
+                sp = dataclasses.replace(sp, stop_token_ids=tuple(dict.fromkeys(sp.stop_token_ids
+                                                                                 + self.info.eos_token_ids)))
+            if sp.stop and self.tokenizer is None:
+                raise ValueError(f"sampling_params[{i}].stop needs a tokenizer (stop strings are matched on text)")
+            rid = str(request_ids[i]) if request_ids is not None else f"{self._next_id + i}"
+            seed = sp.seed if sp.seed is not None else int(self._seeds.integers(0, 2 ** 63))
+            reqs.append(_Request(rid, text, ids, sp, seed))
+        self._next_id += len(prompts)
+        if len({r.request_id for r in reqs}) != len(reqs):
+            raise ValueError("request_ids must be distinct")
+        return reqs
+
+    def _tokens(self, p, i: int) -> tuple[str | None, list[int]]:
+        if isinstance(p, str):
+            if not p:
+                raise ValueError(f"prompts[{i}] is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"prompts[{i}] is text but the engine has no tokenizer: pass prompt_token_ids")
+            return p, list(self.tokenizer(p).input_ids)
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                ids = p["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                                 for t in ids):
+                    raise TypeError(f"prompts[{i}]['prompt_token_ids'] must be a list of ints")
+                if not ids:
+                    raise ValueError(f"prompts[{i}] has no tokens")
+                bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
+                if bad:
+                    raise ValueError(f"prompts[{i}] has token ids outside the vocabulary [0, {self.info.vocab_size}): "
+                                     f"{bad[:5]}")
+                return p.get("prompt"), list(ids)
+            if "prompt" in p:
+                return self._tokens(p["prompt"], i)
+            raise ValueError(f"prompts[{i}] must have 'prompt' or 'prompt_token_ids', got keys {sorted(p)}")
+        raise TypeError(f"prompts[{i}] must be a str or a dict, got {type(p).__name__}")
+
+    def _output(self, g) -> RequestOutput:
+        r = self._requests.pop(g.request_id)
+        self.sched.requests.pop(g.request_id, None)
+        outs = []
+        for j, s in enumerate(g.seqs):
+            ids = s.output_token_ids
+            text = self._detokenize(ids) if self.tokenizer is not None else ""
+            reason = None
+            if s.finish_reason == "stop":
+                if ids and ids[-1] in r.params.stop_token_ids:
+                    reason = None if ids[-1] in self.info.eos_token_ids else ids[-1]
+                else:
+                    at, reason = min((text.find(x), x) for x in r.params.stop if x in text)
+                    text = text[:at]
+            outs.append(CompletionOutput(j, text, ids, self._cumulative.get(s.seq_id, 0.0),
+                                         self._logprobs.get(s.seq_id, []) if r.params.logprobs is not None else None,
+                                         s.finish_reason, reason))
+        self._drop(g)
+        return RequestOutput(r.request_id, r.prompt, r.token_ids, outs, num_preemptions=g.num_preemptions)
+
+    def _drop(self, g) -> None:
+        """Forgets a finished or aborted request's per-sample totals."""
+        for s in g.seqs:
+            for d in (self._cumulative, self._logprobs, self._sample_index):
+                d.pop(s.seq_id, None)
+
+    def _detokenize(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _new_scheduler(self) -> None:
+        bm = BlockManager(self.cache.num_blocks, self.cache.spec.block_size, watermark=0.01,
+                          enable_prefix_caching=self._prefix_caching, bytes_per_block=self.cache.spec.bytes_per_block)
+        self.sched = Scheduler(bm, **self._sched_args)
+        self._preemptions_before = 0
+        self._requests: dict[str, _Request] = {}
+        self._sample_index: dict[int, int] = {}
+        self._cumulative: dict[int, float] = {}
+        self._logprobs: dict[int, list] = {}
+
+
+def _progress(total: int, enabled: bool):
+    """A tqdm bar over requests (a stand-in with the same methods when disabled)."""
+    if enabled:
+        from tqdm.auto import tqdm
+        return tqdm(total=total, unit="req", desc="Generating", dynamic_ncols=True)
+
+    class _Off:
+        def update(self, n=1): pass
+        def set_postfix_str(self, s, refresh=True): pass
+        def close(self): pass
+    return _Off()

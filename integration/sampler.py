@@ -1,0 +1,135 @@
+"""Batched token sampling on the device: one call per step for every sample row, no Python loop
+over sequences.
+
+Per row: greedy (temperature 0: argmax of the raw logits) or, for temperature > 0, logits / T,
+then top-k, then top-p over what top-k left, then min-p (relative to the most likely token), then
+one draw. Draws use the Gumbel-max trick with noise from a counter-based hash of (request seed,
+sample index, output position, token id) instead of a stateful generator: a sample depends only
+on its own seed, logits and position - not on the batch it runs in, nor on preemption - and a
+seeded request is reproducible without a generator object per request.
+
+The log-probability of the sampled token (for ``cumulative_logprob``) and the optional top-k
+log-probabilities come from the raw logits (log_softmax before temperature and filtering), as
+vLLM reports them by default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+
+
+def mix32(x):
+    """murmur3's 32-bit finaliser on uint32 values (numpy uint32 arrays, or int64 tensors holding
+    values in [0, 2^32): products wrap, and only their low 32 bits are kept)."""
+    if isinstance(x, np.ndarray):
+        x = x.astype(np.uint32)
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(0x85EBCA6B)
+        x ^= x >> np.uint32(13)
+        x *= np.uint32(0xC2B2AE35)
+        x ^= x >> np.uint32(16)
+        return x
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: np.ndarray, sample_index: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """[S] uint32 noise key of each sample row from its request seed (< 2^64), its index among the
+    request's samples and its output position (the index of the token being drawn)."""
+    seeds = np.asarray(seeds, np.uint64)
+    k = mix32((seeds & np.uint64(_M32)).astype(np.uint32) ^ mix32((seeds >> np.uint64(32)).astype(np.uint32)))
+    k = mix32(k ^ mix32(np.asarray(sample_index, np.uint32) + np.uint32(0x632BE5AB)))
+    return mix32(k ^ mix32(np.asarray(position, np.uint32) + np.uint32(0x2545F491)))
+
+
+@dataclass
+class SampleRows:
+    """Host arrays, one entry per sample row ([S]): what each draw needs."""
+    temperature: np.ndarray  # float32, 0 = greedy
+    top_k: np.ndarray        # int64, -1 = off
+    top_p: np.ndarray        # float32, 1 = off
+    min_p: np.ndarray        # float32, 0 = off
+    key: np.ndarray          # uint32 noise keys (row_keys)
+    num_logprobs: int = 0    # top log-probs to return for every row (the largest asked for)
+
+
+@dataclass
+class Sampled:
+    """Device results for S rows: ``tokens [S]`` int64, ``logprobs [S]`` float32 (raw
+    log-probability of each sampled token), ``top_ids``/``top_logprobs [S, K]`` or None."""
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+class Sampler:
+    """Samples S rows of logits ``[S, V]`` on their device; vocabulary hashes are made once."""
+
+    def __init__(self, vocab_size: int, device):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        ids = torch.arange(vocab_size, dtype=torch.int64, device=self.device)
+        self._vocab_hash = mix32((ids * _GOLDEN) & _M32)  # [V]
+
+    def __call__(self, logits: torch.Tensor, rows: SampleRows) -> Sampled:
+        """logits [S, V] (any float dtype) -> :class:`Sampled`."""
+        s, v = logits.shape
+        if v != self.vocab_size:
+            raise ValueError(f"logits must have {self.vocab_size} columns (the vocabulary), got {v}")
+        dev = logits.device
+        logits = logits.float()
+        raw_lse = torch.logsumexp(logits, dim=-1)  # [S]
+        greedy_np = rows.temperature == 0
+        tokens = torch.argmax(logits, dim=-1) if greedy_np.any() else None
+        if not greedy_np.all():
+            temp = torch.from_numpy(np.where(greedy_np, 1.0, rows.temperature).astype(np.float32)).to(dev)
+            x = logits / temp[:, None]
+            x = self._filter(x, rows, dev)
+            # Gumbel-max: argmax(x + g) with g = -log(-log(u)), u uniform in (0, 1) from the hash
+            key = torch.from_numpy(rows.key.astype(np.int64)).to(dev)
+            h = mix32(key[:, None] ^ self._vocab_hash[None, :])
+            u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+            drawn = torch.argmax(x - torch.log(-torch.log(u)), dim=-1)
+            if tokens is None:
+                tokens = drawn
+            else:
+                tokens = torch.where(torch.from_numpy(greedy_np).to(dev), tokens, drawn)
+        logprobs = logits.gather(1, tokens[:, None])[:, 0] - raw_lse
+        out = Sampled(tokens, logprobs)
+        if rows.num_logprobs > 0:
+            top, ids = torch.topk(logits, min(rows.num_logprobs, v), dim=-1)
+            out.top_ids, out.top_logprobs = ids, top - raw_lse[:, None]
+        return out
+
+    @staticmethod
+    def _filter(x: torch.Tensor, rows: SampleRows, dev) -> torch.Tensor:
+        """top-k, then top-p, then min-p, as -inf; rows with all three off are left alone."""
+        v = x.shape[1]
+        use_k = (rows.top_k > 0) & (rows.top_k < v)
+        use_p = rows.top_p < 1.0
+        if use_k.any() or use_p.any():
+            srt, idx = torch.sort(x, dim=-1, descending=True)
+            rank = torch.arange(v, device=dev)[None, :]
+            k = torch.from_numpy(np.where(use_k, rows.top_k, v).astype(np.int64)).to(dev)
+            drop = rank >= k[:, None]  # [S, V] in sorted order
+            if use_p.any():
+                p = torch.softmax(srt.masked_fill(drop, float("-inf")), dim=-1)
+                before = torch.cumsum(p, dim=-1) - p  # mass of the more likely tokens
+                top_p = torch.from_numpy(rows.top_p.astype(np.float32)).to(dev)
+                drop |= before >= top_p[:, None]  # the most likely token always stays (before = 0)
+            x = x.scatter(1, idx, srt.masked_fill(drop, float("-inf")))
+        if (rows.min_p > 0).any():
+            min_p = torch.from_numpy(rows.min_p.astype(np.float32)).to(dev)
+            # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p)
+            floor = x.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+            x = x.masked_fill(x < floor, float("-inf"))
+        return x

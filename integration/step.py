@@ -1,0 +1,144 @@
+"""One engine step's device metadata and its attention plan, made once on the host and read by
+every layer.
+
+``StepBuilder.build(batch)`` turns the scheduler's ``ScheduledBatch`` (host numpy arrays) into a
+:class:`Step`: the arrays on the device in one host-to-device copy, and the attention the step
+runs - ``pb.paged_decode`` with a ``DecodePlan`` (decode-only steps), ``pb.cascade_decode`` with a
+``CascadePlan`` (decode-only steps whose rows share prompt blocks), or ``pb.paged_prefill`` (steps
+with prefill chunks; its decode rows are queries of length 1). Plans carry over between
+consecutive decode steps: ``DecodePlan.update`` while the batch size stays, and the cascade forest
+through ``forest=`` / ``forest_rows=`` while samples only finish.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import paged_backend as pb
+from paged_backend.cascade import CascadeCost
+
+from .kv_cache import PagedKVCache
+
+DECODE, CASCADE, PREFILL = "decode", "cascade", "prefill"
+
+
+@dataclass
+class Step:
+    """Device tensors of one step (T tokens, B rows) and how its attention runs.
+
+    input_ids, positions [1, T] int64; slot_mapping [T] int64; block_table [B, M] int32;
+    seq_lens [B] int32; query_start_loc [B+1] int32; logits_indices [R] int64 (the last token of
+    each row that samples). ``kind``: DECODE, CASCADE or PREFILL; ``max_seq_len``: the longest
+    row; ``plan``: the step's DecodePlan or CascadePlan (None for PREFILL). Host copies for validation without a sync: seq_lens_cpu,
+    query_start_loc_cpu.
+    """
+    cache: PagedKVCache
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    logits_indices: torch.Tensor
+    kind: str
+    max_seq_len: int
+    plan: object = None
+    seq_lens_cpu: np.ndarray = field(default=None, repr=False)
+    query_start_loc_cpu: np.ndarray = field(default=None, repr=False)
+
+    def attend(self, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None):
+        """Writes this step's new K/V of ``layer`` and returns the attention of ``q``: q [T, Hq, D],
+        key/value [T, Hkv, D] (any strides) -> out [T, Hq, D]."""
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        pb.write_kv(key, value, k_cache, v_cache, self.slot_mapping)
+        if self.kind == DECODE:
+            return pb.paged_decode(q, k_cache, v_cache, self.block_table, self.seq_lens, scale=scale, plan=self.plan,
+                                   return_lse=False)
+        if self.kind == CASCADE:
+            return pb.cascade_decode(q, k_cache, v_cache, self.plan, return_lse=False, scale=scale)
+        return pb.paged_prefill(q, k_cache, v_cache, self.block_table, self.seq_lens, self.query_start_loc,
+                                causal=True, return_lse=False, scale=scale,
+                                query_start_loc_cpu=self.query_start_loc_cpu, seq_lens_cpu=self.seq_lens_cpu)
+
+
+def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host arrays (int64 ones first, then int32 ones) -> device tensors of the same dtypes and
+    shapes, through one pinned buffer and one copy on CUDA; views of the arrays on the CPU."""
+    if device.type != "cuda":
+        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    sizes = [a.nbytes for a in arrays]
+    host = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
+    flat, at = host.numpy(), 0
+    for a, n in zip(arrays, sizes):
+        flat[at:at + n] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        at += n
+    dev = host.to(device, non_blocking=True)
+    out, at = [], 0
+    for a, n in zip(arrays, sizes):  # int64 sections come first, so every view is aligned
+        out.append(dev[at:at + n].view(torch.from_numpy(a[:0]).dtype).view(a.shape))
+        at += n
+    return out
+
+
+class StepBuilder:
+    """Makes each step's :class:`Step` for one model shape and cache; keeps the plans of the last
+    decode step to carry them over."""
+
+    def __init__(self, cache: PagedKVCache, *, num_q_heads: int, cascade: bool = True,
+                 cascade_cost: CascadeCost | None = None):
+        self.cache = cache
+        spec = cache.spec
+        self.shape = dict(num_q_heads=num_q_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                          block_size=spec.block_size, device=spec.device)
+        self.cascade = cascade
+        self.cascade_cost = cascade_cost
+        self._decode_plans: dict[int, pb.DecodePlan] = {}  # batch size -> plan (kept buffers)
+        self._forest: pb.CascadePlan | None = None          # the last decode step's cascade plan
+        self._forest_ids: np.ndarray | None = None          # and its rows' seq ids
+
+    def build(self, batch) -> Step:
+        """``batch``: a ``paged_backend.scheduler.ScheduledBatch`` (not empty)."""
+        qsl = batch.query_start_loc
+        rows = np.flatnonzero(batch.num_samples)
+        logits_indices = (qsl[1:][rows] - 1).astype(np.int64)
+        t = int(qsl[-1])
+        tensors = to_device([batch.input_ids.reshape(1, t), batch.positions.reshape(1, t), batch.slot_mapping,
+                             logits_indices, batch.block_tables, batch.seq_lens, qsl], self.shape["device"])
+        ids, pos, slots, logit_rows, table, lens, qsl_d = tensors
+        step = Step(self.cache, ids, pos, slots, table, lens, qsl_d, logit_rows, PREFILL, int(batch.seq_lens.max()),
+                    seq_lens_cpu=batch.seq_lens, query_start_loc_cpu=qsl)
+        if batch.num_prefill_tokens:
+            self._forest = self._forest_ids = None  # shared blocks may change: plan anew later
+            return step
+        if self.cascade and batch.share_groups:
+            step.kind, step.plan = CASCADE, self._cascade_plan(batch, table)
+        else:
+            self._forest = self._forest_ids = None
+            step.kind, step.plan = DECODE, self._decode_plan(batch.seq_lens)
+        return step
+
+    def _decode_plan(self, lens: np.ndarray) -> pb.DecodePlan:
+        plan = self._decode_plans.get(lens.size)
+        if plan is None:
+            if len(self._decode_plans) >= 8:  # a few batch sizes recur; keep their buffers
+                self._decode_plans.pop(next(iter(self._decode_plans)))
+            plan = self._decode_plans[lens.size] = pb.plan_decode(lens, **self.shape)
+            return plan
+        return plan.update(lens)
+
+    def _cascade_plan(self, batch, table: torch.Tensor) -> pb.CascadePlan:
+        kw = dict(self.shape, cost=self.cascade_cost, block_table_device=table)
+        ids = batch.seq_ids
+        if self._forest is not None:
+            if np.array_equal(ids, self._forest_ids):
+                kw["forest"] = self._forest
+            else:
+                where = {int(s): i for i, s in enumerate(self._forest_ids)}
+                rows = np.fromiter((where.get(int(s), -1) for s in ids), np.int64, ids.size)
+                if (rows >= 0).all():  # only finished samples left the batch: keep the forest
+                    kw["forest"], kw["forest_rows"] = self._forest, rows
+        plan = pb.plan_cascade(batch.block_tables, batch.seq_lens, **kw)
+        self._forest, self._forest_ids = plan, ids
+        return plan

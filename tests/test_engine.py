@@ -1,0 +1,142 @@
+"""The engine with the embedded SmolLM2-135M-Instruct (fp32, CPU): greedy tokens equal
+transformers' generate(); batch invariance; seeded sampling; preemption under KV exhaustion;
+stop strings, logprobs; bad input refused with the input named and nothing finished lost."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from paged_backend.integration import LLM, SamplingParams, models
+
+if models.default_model_path() is None:  # the README's install puts it there: a missing model is a failure
+    pytest.fail(f"the embedded model is not installed: {models.DEFAULT_MODEL_HINT}", pytrace=False)
+
+pytestmark = pytest.mark.xdist_group("engine")
+
+PROMPTS = ["The capital of France is",
+           "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+           "def fibonacci(n):",
+           "List three colors:\n1."]
+GREEDY = SamplingParams(temperature=0, max_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", num_blocks=256, max_num_seqs=64)
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    """Each prompt's greedy output, run on its own."""
+    return {p: llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS}
+
+
+def test_greedy_batch_equals_transformers_generate(llm, alone):
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    ref = copy.deepcopy(llm.model)
+    ref.set_attn_implementation("sdpa")
+    eos = set(llm.info.eos_token_ids)
+    for p, o in zip(PROMPTS, outs):
+        ids = torch.tensor([llm.tokenizer(p).input_ids])
+        want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+        want = want[0, ids.shape[1]:].tolist()
+        cut = next((i + 1 for i, t in enumerate(want) if t in eos), len(want))  # generate pads after EOS
+        assert o.outputs[0].token_ids == want[:cut], p
+        assert o.outputs[0].token_ids == alone[p], "batch invariance: output changed with the batch"
+    assert outs[0].outputs[0].text.startswith(" Paris")
+
+
+def test_chat_answers_paris(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert "Paris" in c.text and c.finish_reason == "stop" and c.token_ids[-1] in llm.info.eos_token_ids
+
+
+def test_prefix_cache_hit_and_forked_greedy_samples(llm, alone):
+    long = PROMPTS[1]  # 2 full blocks of 16: cached since the fixture ran it
+    before = llm.sched.bm.prefix_hit_tokens
+    outs = llm.generate([long], SamplingParams(n=3, temperature=0, max_tokens=32), use_tqdm=False)
+    assert llm.sched.bm.prefix_hit_tokens - before >= 16
+    assert [c.token_ids for c in outs[0].outputs] == [alone[long]] * 3
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
+
+
+def test_seeded_sampling_is_reproducible_and_samples_differ(llm):
+    p = SamplingParams(n=4, temperature=1.0, top_p=0.95, max_tokens=16, seed=1234, ignore_eos=True)
+    a = llm.generate(PROMPTS[0], p, use_tqdm=False)[0]
+    b = llm.generate([PROMPTS[2], PROMPTS[0], PROMPTS[3]], [p] * 3, use_tqdm=False)[1]  # other batch mates
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len({tuple(c.token_ids) for c in a.outputs}) == 4
+    c = llm.generate(PROMPTS[0], SamplingParams(n=4, temperature=1.0, top_p=0.95, max_tokens=16, seed=99,
+                                                ignore_eos=True), use_tqdm=False)[0]
+    assert [x.token_ids for x in c.outputs] != [x.token_ids for x in a.outputs]
+
+
+def test_kv_exhaustion_preempts_and_resumes_with_the_same_output(llm):
+    """A pool of 10 blocks cannot hold 4 x (prompt + 32 tokens) (13 blocks): requests are preempted
+    and recomputed, and every greedy output is the large pool's. One request can never fit: it
+    comes back with the limit named, and the others still run."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    small = LLM(device="cpu", num_blocks=10, max_num_seqs=8)
+    too_big = SamplingParams(n=8, temperature=0, max_tokens=60)
+    outs = small.generate(PROMPTS + [PROMPTS[0]], [params] * 4 + [too_big], use_tqdm=False)
+    assert small.last_stats.preemptions > 0
+    for w, o in zip(want, outs):
+        assert o.error is None and o.outputs[0].token_ids == w
+    assert outs[4].outputs == [] and "KV blocks" in outs[4].error and "num_blocks=10" in outs[4].error
+    assert small.last_stats.num_rejected == 1
+    assert small.sched.bm.num_free_blocks == small.cache.num_blocks  # everything freed
+
+
+def test_stop_strings_logprobs_and_lengths(llm):
+    sp = SamplingParams(temperature=0, max_tokens=32, stop=["\n"], logprobs=3)
+    o = llm.generate(PROMPTS[3], sp, use_tqdm=False)[0].outputs[0]
+    assert o.finish_reason == "stop" and o.stop_reason == "\n" and "\n" not in o.text
+    assert len(o.logprobs) == len(o.token_ids)
+    for t, entry in zip(o.token_ids, o.logprobs):
+        assert t in entry and len(entry) in (3, 4) and max(entry.values()) == entry[t]  # greedy: the top one
+    assert o.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(o.token_ids, o.logprobs)), abs=1e-4)
+    o = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 5
+
+
+def test_bad_input_is_named_and_nothing_finished_is_lost(llm):
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        llm.generate(["fine", ""], use_tqdm=False)
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate("x", SamplingParams(top_p=0.0))
+    with pytest.raises(TypeError, match=r"prompts\[0\]"):
+        llm.generate([3.5], use_tqdm=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate({"prompt_token_ids": [1, 10 ** 7]}, use_tqdm=False)
+    with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
+        LLM("/no/such/model", device="cpu")
+    long = {"prompt_token_ids": [42] * (llm.max_model_len + 1)}
+    outs = llm.generate([PROMPTS[0], long], GREEDY, use_tqdm=False)
+    assert outs[0].error is None and outs[0].outputs[0].token_ids
+    assert "max_model_len" in outs[1].error and outs[1].outputs == []
+
+
+def test_closing_the_iterator_aborts_what_is_left(llm):
+    it = llm.generate_iter(PROMPTS, [SamplingParams(temperature=0, max_tokens=m) for m in (1, 40, 40, 40)])
+    first = next(it)
+    assert len(first.outputs[0].token_ids) == 1
+    it.close()
+    assert not llm.sched.has_unfinished() and not llm.sched.requests
+    bm = llm.sched.bm
+    assert bm.num_held == 0 and bm.num_free_blocks == bm.num_blocks
+    assert llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still usable
+
+
+def test_sample_rows_are_batched_per_step(llm, monkeypatch):
+    """One sampler call per step, whatever the number of sequences (no per-sequence loop)."""
+    calls = []
+    real = llm.sampler.__class__.__call__
+    monkeypatch.setattr(llm.sampler.__class__, "__call__", lambda self, logits, rows: calls.append(
+        logits.shape[0]) or real(self, logits, rows))
+    llm.generate(PROMPTS, SamplingParams(n=3, temperature=0.7, max_tokens=4, ignore_eos=True, seed=5), use_tqdm=False)
+    assert len(calls) == llm.last_stats.steps and max(calls) == 12
+    assert np.sum(calls) == 12 * 4

@@ -1,0 +1,102 @@
+"""The engine on tiny randomly initialised models of each supported family (built offline): greedy
+tokens equal transformers' own generate() with SDPA on the same weights, for a batch of prompts of
+different lengths, forked samples and prefix-cache hits; models needing features the backend
+lacks are refused at load time with the feature named."""
+import copy
+
+import pytest
+import torch
+
+import transformers
+
+from paged_backend.cascade import CascadeCost
+from paged_backend.integration import LLM, SamplingParams
+
+pytestmark = pytest.mark.xdist_group("engine")
+
+SMALL = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, max_position_embeddings=512, eos_token_id=None, bos_token_id=None)
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL),
+    "smollm": lambda: transformers.LlamaConfig(**dict(SMALL, num_attention_heads=6, num_key_value_heads=2,
+                                                     hidden_size=384, tie_word_embeddings=True)),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL),
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL),
+}
+PROMPTS = [[5, 17, 3], list(range(40, 77)), [9] * 16, list(range(100, 133))]  # lengths around the block size
+
+
+def tiny(family: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    cfg = FAMILIES[family]() if family in FAMILIES else family
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt, n):
+    """transformers' generate with SDPA on a copy of the weights (the reference)."""
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("sdpa")
+    out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                       attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_equals_transformers_generate(family):
+    model = tiny(family)
+    want = [hf_greedy(model, p, 12) for p in PROMPTS]
+    llm = LLM(model, device="cpu", block_size=16, num_blocks=64)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    # again: full prompt blocks now come from the prefix cache; n = 3 forks each prompt
+    outs = llm.generate(prompts, SamplingParams(n=3, temperature=0, max_tokens=12), use_tqdm=False)
+    assert llm.last_stats.cached_prompt_tokens >= 16 * 4
+    for o, w in zip(outs, want):
+        assert [c.token_ids for c in o.outputs] == [w] * 3
+
+
+def test_cascade_decode_in_the_engine_matches_flat():
+    """Every shared prompt block kept as a cascade node (cost model off): same greedy tokens."""
+    model = tiny("qwen3", seed=1)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + 50))}, {"prompt_token_ids": list(range(7, 7 + 35))}]
+    params = SamplingParams(n=4, temperature=0, max_tokens=10)
+    flat = LLM(model, device="cpu", num_blocks=96, cascade=False).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model, device="cpu", num_blocks=96, cascade=CascadeCost(0, 0, 0))
+    casc = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.last_stats.cascade_steps > 0
+    assert [[c.token_ids for c in o.outputs] for o in casc] == [[c.token_ids for c in o.outputs] for o in flat]
+
+
+def test_mistral_window_that_never_cuts_runs_and_a_cutting_one_is_refused():
+    model = tiny("mistral", sliding_window=64)
+    llm = LLM(model, device="cpu", num_blocks=32)
+    assert llm.max_model_len == 64  # the window covers every sequence: exact
+    out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(model, PROMPTS[1], 8)
+    with pytest.raises(ValueError, match="sliding-window attention .window 64 < max_model_len 128"):
+        LLM(tiny("mistral", sliding_window=64), device="cpu", num_blocks=32, max_model_len=128)
+
+
+@pytest.mark.parametrize("make, feature", [
+    (lambda: transformers.Gemma2Config(**dict(SMALL, sliding_window=None), attn_logit_softcapping=50.0),
+     "soft-capping"),
+    (lambda: transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=32, max_window_layers=1),
+     "sliding-window attention"),
+    (lambda: transformers.GptOssConfig(**dict(SMALL, num_local_experts=2, num_experts_per_tok=1, sliding_window=None)),
+     "attention sinks"),
+])
+def test_models_needing_missing_features_are_refused(make, feature):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(make(), dtype=torch.float32)
+    with pytest.raises(ValueError, match=feature):
+        LLM(model, device="cpu", num_blocks=16, max_model_len=256)
+
+
+def test_unsupported_head_dim_is_refused():
+    with pytest.raises(ValueError, match="head dim 32"):
+        LLM(tiny("llama", head_dim=32), device="cpu", num_blocks=16)
