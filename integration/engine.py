@@ -55,13 +55,15 @@ class LLM:
     the model's context). max_num_batched_tokens: tokens per step (prefill chunks + decodes).
     cascade: decode samples that share a prompt with ``pb.cascade_decode`` (a shared prefix read
     once, where its cost model says it pays; a ``CascadeCost`` replaces that model) - False runs
-    every decode flat. seed: the seed of requests that give none.
+    every decode flat. seed: the seed of requests that give none. profile: record each step's
+    host and GPU time in ``last_stats.step_log`` (CUDA events; for benchmarks).
     """
 
     def __init__(self, model=None, *, tokenizer=None, dtype="auto", device=None, block_size: int = 16,
                  num_blocks: int | None = None, kv_memory_fraction: float | None = None, max_num_seqs: int = 256,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, cascade: bool | CascadeCost = True, seed: int = 0):
+                 enable_prefix_caching: bool = True, cascade: bool | CascadeCost = True, seed: int = 0,
+                 profile: bool = False):
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = models.pick_dtype(dtype, self.device)
         if isinstance(model, torch.nn.Module):
@@ -94,6 +96,7 @@ class LLM:
         self.sampler = Sampler(self.info.vocab_size, self.device)
         self._seeds = np.random.default_rng(seed)
         self._next_id = 0
+        self.profile = profile
         self.last_stats = RunStats()
 
     # ------------------------------------------------------------------ public API
@@ -188,9 +191,12 @@ class LLM:
         if batch.is_empty:
             raise RuntimeError("the scheduler made no progress with requests pending (a bug: please report it)")
         t0 = time.perf_counter()
+        events = _events(self.device) if self.profile else None
         try:
             self.cache.copy_blocks(batch.block_copies)
             step = self.builder.build(batch)
+            if events:
+                step.attend_events = []
             with torch.inference_mode():
                 logits = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
                                     logits_to_keep=step.logits_indices, paged_step=step).logits[0]  # [R, V]
@@ -198,7 +204,11 @@ class LLM:
                 if fork is not None:
                     logits = logits.repeat_interleave(torch.from_numpy(fork).to(logits.device), dim=0)
                 sampled = self.sampler(logits, rows)
-                host = torch.stack([sampled.tokens.double(), sampled.logprobs.double()]).cpu().numpy()
+                packed = torch.stack([sampled.tokens.double(), sampled.logprobs.double()])
+                t_issued = time.perf_counter()
+                if events:
+                    events[1].record()
+                host = packed.cpu().numpy()
                 top = None if sampled.top_ids is None else (sampled.top_ids.cpu().numpy(),
                                                             sampled.top_logprobs.cpu().numpy())
         except BaseException:
@@ -208,6 +218,13 @@ class LLM:
         done = sched.postprocess(batch, tokens)
         self._record(batch, host[1], top, tokens)
         dt = time.perf_counter() - t0
+        if self.profile:
+            gpu = attend = None
+            if events:
+                gpu = events[0].elapsed_time(events[1]) / 1e3
+                attend = sum(a.elapsed_time(b) for a, b in step.attend_events) / 1e3
+            stats.step_log.append(dict(kind=step.kind, rows=len(batch.seqs), tokens=batch.num_tokens,
+                                       host_s=t_issued - t0, total_s=dt, gpu_s=gpu, attend_s=attend))
         stats.steps += 1
         if batch.num_prefill_tokens:
             stats.prefill_time += dt
@@ -365,6 +382,15 @@ class LLM:
         self._sample_index: dict[int, int] = {}
         self._cumulative: dict[int, float] = {}
         self._logprobs: dict[int, list] = {}
+
+
+def _events(device: torch.device):
+    """(start, end) CUDA events with start recorded now, or None off the GPU."""
+    if device.type != "cuda":
+        return None
+    ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+    ev[0].record()
+    return ev
 
 
 def _progress(total: int, enabled: bool):

@@ -71,7 +71,8 @@ class RunStats:
     kv_block_bytes: int = 0
     peak_shared_bytes: int = 0
     preemptions: int = 0
-    extra: dict = field(default_factory=dict)
+    step_log: list[dict] = field(default_factory=list)  # with LLM(profile=True): per step kind, rows,
+    # tokens, host_s (until every kernel was queued), total_s (until the tokens were on the host), gpu_s
 
     @property
     def tokens_per_s(self) -> float:

@@ -47,20 +47,29 @@ class Step:
     plan: object = None
     seq_lens_cpu: np.ndarray = field(default=None, repr=False)
     query_start_loc_cpu: np.ndarray = field(default=None, repr=False)
+    attend_events: list | None = field(default=None, repr=False)  # profiling: (start, end) CUDA events per layer
 
     def attend(self, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None):
         """Writes this step's new K/V of ``layer`` and returns the attention of ``q``: q [T, Hq, D],
         key/value [T, Hkv, D] (any strides) -> out [T, Hq, D]."""
+        if self.attend_events is not None:
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
+            self.attend_events.append(ev)
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         pb.write_kv(key, value, k_cache, v_cache, self.slot_mapping)
         if self.kind == DECODE:
-            return pb.paged_decode(q, k_cache, v_cache, self.block_table, self.seq_lens, scale=scale, plan=self.plan,
-                                   return_lse=False)
-        if self.kind == CASCADE:
-            return pb.cascade_decode(q, k_cache, v_cache, self.plan, return_lse=False, scale=scale)
-        return pb.paged_prefill(q, k_cache, v_cache, self.block_table, self.seq_lens, self.query_start_loc,
-                                causal=True, return_lse=False, scale=scale,
-                                query_start_loc_cpu=self.query_start_loc_cpu, seq_lens_cpu=self.seq_lens_cpu)
+            out = pb.paged_decode(q, k_cache, v_cache, self.block_table, self.seq_lens, scale=scale, plan=self.plan,
+                                  return_lse=False)
+        elif self.kind == CASCADE:
+            out = pb.cascade_decode(q, k_cache, v_cache, self.plan, return_lse=False, scale=scale)
+        else:
+            out = pb.paged_prefill(q, k_cache, v_cache, self.block_table, self.seq_lens, self.query_start_loc,
+                                   causal=True, return_lse=False, scale=scale,
+                                   query_start_loc_cpu=self.query_start_loc_cpu, seq_lens_cpu=self.seq_lens_cpu)
+        if self.attend_events is not None:
+            self.attend_events[-1][1].record()
+        return out
 
 
 def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

@@ -176,9 +176,10 @@ def _merge_into(run_lse, run_o, idx, lse, o):
 
 def _attend(qg, k, v, live, scale):
     """qg [n, Hkv, g, D], k/v [n or 1, L, Hkv, D], live [n or 1, L] -> lse [n, Hkv*g], o [n, Hkv*g, D].
-    Slots that are not live are zeroed first: they may hold NaN, and a zero weight times NaN is NaN."""
-    k = k.masked_fill(~live[..., None, None], 0.0)
-    v = v.masked_fill(~live[..., None, None], 0.0)
+    The values of slots that are not live are zeroed first (in place: fresh gathers): they may hold
+    NaN, and a zero weight times NaN is NaN. Their scores are masked."""
+    if not live.all():
+        v[~live.expand(v.shape[0], -1)] = 0.0
     s = torch.einsum("nhgd,mlhd->nhgl", qg, k) if k.shape[0] == 1 else torch.einsum("nhgd,nlhd->nhgl", qg, k)
     s = (s * scale).masked_fill(~live[:, None, None, :], float("-inf"))
     l_ = torch.logsumexp(s, dim=-1)

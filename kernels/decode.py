@@ -256,10 +256,11 @@ def decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float, out, 
         live_blk = torch.arange(n_blk)[None, :] < ((ln + bs - 1) // bs)[:, None]
         bt = torch.where(live_blk, block_table[c:c + per, :n_blk].long(), 0)  # dead ids never read
         live = torch.arange(n_blk * bs)[None, :] < ln[:, None]  # [b, L]
-        # Slots past a row's length may hold anything (NaN from a reused block): a zero weight
-        # times NaN is NaN, so they are zeroed, never used.
-        k = k_cache[bt].flatten(1, 2).float().masked_fill(~live[..., None, None], 0.0)  # [b, L, Hkv, D]
-        v = v_cache[bt].flatten(1, 2).float().masked_fill(~live[..., None, None], 0.0)
+        k = k_cache[bt].flatten(1, 2).float()  # [b, L, Hkv, D] (a fresh gather)
+        v = v_cache[bt].flatten(1, 2).float()
+        # Slots past a row's length may hold anything (NaN from a reused block): their scores are
+        # masked below, but a zero weight times a NaN value is NaN, so those values are zeroed.
+        v[~live] = 0.0
         qg = q[c:c + per].float().view(-1, hkv, group, d)
         s = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
         s = s.masked_fill(~live[:, None, None, :], float("-inf"))

@@ -275,9 +275,11 @@ def _prefill_torch_chunk(q, k_cache, v_cache, block_table, items, starts, lens, 
     bt = torch.where(live_blk, block_table[req, :n_blk].long(), 0)  # dead ids are never read
     keys = torch.arange(kmax)
     in_seq = keys[None, :] < n[:, None]  # [R, kmax]
-    # Slots past a row's length may hold anything (NaN): zeroed, never used (0 * NaN is NaN).
-    k = k_cache[bt].flatten(1, 2).float().masked_fill(~in_seq[..., None, None], 0.0)  # [R, kmax, Hkv, D]
-    v = v_cache[bt].flatten(1, 2).float().masked_fill(~in_seq[..., None, None], 0.0)
+    k = k_cache[bt].flatten(1, 2).float()  # [R, kmax, Hkv, D] (a fresh gather)
+    v = v_cache[bt].flatten(1, 2).float()
+    # Slots past a row's length may hold anything (NaN): their scores are masked, and their values
+    # zeroed (a zero weight times NaN is NaN).
+    v[~in_seq] = 0.0
     s = torch.einsum("rqhgd,rkhd->rhgqk", qg, k) * scale
     ok = in_seq[:, None, :]  # [R, 1, kmax]
     if causal:

@@ -60,6 +60,22 @@ def test_greedy_equals_transformers_generate(family):
         assert [c.token_ids for c in o.outputs] == [w] * 3
 
 
+@pytest.mark.kernel  # the TRITON_INTERPRET=1 pass runs the engine on the Triton kernels, as on a GPU
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_engine_on_every_attention_path(device):
+    """Prefill, flat decode and cascade decode (every shared block a node), greedy == generate()
+    (fp32: the same tokens on the CPU paths and the GPU)."""
+    model = tiny("qwen3")
+    want = [hf_greedy(model, p, 6) for p in PROMPTS]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    for cascade in (False, CascadeCost(0, 0, 0)):
+        llm = LLM(model, device=device, dtype="float32", num_blocks=64, cascade=cascade)
+        outs = llm.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=6), use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in outs] == [[w, w] for w in want]
+        assert (llm.last_stats.cascade_steps > 0) == bool(cascade)
+
+
 def test_cascade_decode_in_the_engine_matches_flat():
     """Every shared prompt block kept as a cascade node (cost model off): same greedy tokens."""
     model = tiny("qwen3", seed=1)

@@ -1,0 +1,236 @@
+"""End-to-end parallel sampling: one 4K-token prompt, n = 64 samples, 256 new tokens each (no early
+stop), bf16, on randomly initialised models of two shapes:
+
+- ``smollm2-135m``: SmolLM2-135M's shape (30 layers, 9/3 heads of 64, vocab 49152; its GGUF is more
+  than a device run can carry);
+- ``llama3-8b-16l``: Llama-3-8B's shape cut to 16 layers (4.5 B parameters; 32/8 heads of 128,
+  vocab 128256).
+
+Engines, each on the same weights: ``ours_cascade`` (paged_backend.integration.LLM, samples decode
+their shared prompt with cascade decode), ``ours_flat`` (the same engine, every decode flat),
+``hf_generate`` (transformers ``generate(num_return_sequences=64)`` with SDPA and its dense cache)
+and ``hf_generate_batch`` (transformers' continuous batching with its paged cache; slow, so timed
+on fewer new tokens and reported as a rate).
+
+Per engine: tokens/s over the whole run, decode tokens/s, the median decode step against its bytes
+floor (weights + the KV the step must read - for cascade the prompt once plus the tails - at the
+copy bandwidth measured in the same run), the share of a decode step spent in attention and the
+host's share, and peak GPU memory. Results: ``benchmarks/results/<gpu>.json`` (bench "e2e") and
+``.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import common as C
+
+from paged_backend.integration import LLM, SamplingParams
+
+MODELS = {
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
+                         max_position_embeddings=8192, rope_theta=100000.0),
+    "llama3-8b-16l": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=16,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                          max_position_embeddings=8192, rope_theta=500000.0),
+}
+QUICK_MODELS = {"tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)}
+ENGINES = ("ours_cascade", "ours_flat", "hf_generate", "hf_generate_batch")
+
+
+def build(shape: dict, device, dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    cfg = LlamaConfig(**shape, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads of the weights (the input embedding only gathers rows)."""
+    emb = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight is emb
+    return sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not emb)
+
+
+def kv_bytes_per_token(model) -> int:
+    c = model.config
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2
+
+
+def run_ours(model, prompt, n, new, cascade: bool, device) -> dict:
+    llm = LLM(model, device=device, dtype=torch.bfloat16, max_num_seqs=n, max_model_len=len(prompt) + new + 16,
+              cascade=cascade, profile=True)
+    warm = SamplingParams(n=4, max_tokens=8, ignore_eos=True, seed=1)
+    other = [t + 1 for t in prompt[: len(prompt) // 2]]  # no prefix-cache hit on the timed prompt
+    llm.generate([{"prompt_token_ids": other}], warm, use_tqdm=False)  # compiles the kernels
+    llm.generate([{"prompt_token_ids": [t + 2 for t in other]}], warm, use_tqdm=False)
+    _reset(device)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=n, max_tokens=new, ignore_eos=True,
+                                                                     temperature=1.0, seed=0), use_tqdm=False)
+    wall = time.perf_counter() - t0
+    st = llm.last_stats
+    assert sum(len(c.token_ids) for c in outs[0].outputs) == n * new
+    dec = [s for s in st.step_log if s["kind"] != "prefill"]
+    def med(key):  # ms, median over the decode steps
+        vals = [s[key] for s in dec if s[key] is not None]
+        return statistics.median(vals) * 1e3 if vals else None
+
+    rec = dict(wall_s=wall, tokens=n * new, tok_s=n * new / wall, prefill_s=st.prefill_time,
+               decode_s=st.decode_time, decode_tok_s=(n * (new - 1)) / st.decode_time if st.decode_time else None,
+               decode_steps=len(dec), cascade_steps=st.cascade_steps, step_ms=med("total_s"),
+               step_gpu_ms=med("gpu_s"), step_host_ms=med("host_s"), attend_ms=med("attend_s"),
+               peak_gib=_peak(device), kv_pool_gib=llm.cache.nbytes / 2 ** 30)
+    del llm
+    C.free_memory()
+    return rec
+
+
+def run_hf_generate(model, prompt, n, new, device) -> dict:
+    model.set_attn_implementation("sdpa")
+    ids = torch.tensor([prompt], device=device)
+    kw = dict(do_sample=True, num_return_sequences=n, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    model.generate(ids[:, :256], max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+    _reset(device)
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+    _sync(device)
+    prefill = time.perf_counter() - t0
+    C.free_memory()
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    assert out.shape == (n, len(prompt) + new)
+    decode = wall - prefill
+    rec = dict(wall_s=wall, tokens=n * new, tok_s=n * new / wall, prefill_s=prefill, decode_s=decode,
+               decode_tok_s=n * (new - 1) / decode, step_ms=decode / (new - 1) * 1e3, peak_gib=_peak(device))
+    del out
+    C.free_memory()
+    return rec
+
+
+def run_hf_generate_batch(model, prompt, n, new, device) -> dict:
+    from transformers import GenerationConfig
+    model.set_attn_implementation("sdpa")
+    gen = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=True, eos_token_id=None, pad_token_id=0)
+    model.generate_batch([prompt[:128]] * 2, generation_config=GenerationConfig(
+        max_new_tokens=2, do_sample=True, eos_token_id=None, pad_token_id=0))  # warm-up
+    _reset(device)
+    t0 = time.perf_counter()
+    res = model.generate_batch([list(prompt)] * n, generation_config=gen)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    got = sum(len(r.generated_tokens) for r in res.values())
+    rec = dict(wall_s=wall, tokens=got, tok_s=got / wall, new_tokens_timed=new, peak_gib=_peak(device))
+    C.free_memory()
+    return rec
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _reset(device):
+    """Synchronises and restarts the peak-memory count."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak(device) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2 ** 30 if torch.device(device).type == "cuda" else None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--engines", help=f"comma-separated subset of {','.join(ENGINES)}")
+    p.add_argument("--prompt-len", type=int, default=4096)
+    p.add_argument("-n", type=int, default=64)
+    p.add_argument("--new", type=int, default=256)
+    p.add_argument("--batch-new", type=int, default=32, help="new tokens for hf_generate_batch (it is slow)")
+    p.add_argument("--quick", action="store_true", help="a tiny model and short run (smoke test)")
+    p.add_argument("--out", help="results JSON (default benchmarks/results/<gpu>.json)")
+    p.add_argument("--md", help="markdown (default benchmarks/results/<gpu>.md)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    device = args.device
+    models = QUICK_MODELS if args.quick else MODELS
+    if args.models:
+        models = {k: models[k] for k in args.models.split(",")}
+    engines = args.engines.split(",") if args.engines else list(ENGINES)
+    if args.quick:
+        args.prompt_len, args.n, args.new, args.batch_new = 300, 8, 16, 8
+    bw = C.copy_bandwidth(device)
+    print(f"{C.gpu_name()} copy bandwidth {bw:.0f} GB/s", flush=True)
+    results, rows = {}, []
+    for mname, shape in models.items():
+        model = build(shape, device, torch.bfloat16)
+        prompt = torch.randint(10, shape["vocab_size"], (args.prompt_len,), generator=torch.Generator().manual_seed(1))
+        prompt = prompt.tolist()
+        w, kvb = weight_bytes(model), kv_bytes_per_token(model)
+        mid = args.prompt_len + args.new // 2  # a sequence's length halfway through decode
+        floor = {"flat": (w + args.n * mid * kvb) / (bw * 1e9), "unique": (w + (args.prompt_len + args.n * args.new // 2)
+                                                                         * kvb) / (bw * 1e9)}
+        results[mname] = {"params": sum(p.numel() for p in model.parameters()), "weight_bytes": w,
+                          "kv_bytes_per_token": kvb, "floor_ms": {k: v * 1e3 for k, v in floor.items()}}
+        for eng in engines:
+            print(f"--- {mname} {eng}", flush=True)
+            try:
+                if eng.startswith("ours"):
+                    rec = run_ours(model, prompt, args.n, args.new, eng == "ours_cascade", device)
+                elif eng == "hf_generate":
+                    rec = run_hf_generate(model, prompt, args.n, args.new, device)
+                else:
+                    rec = run_hf_generate_batch(model, prompt, args.n, args.batch_new, device)
+            except Exception as e:  # noqa: BLE001 - a peer failing is a result, not the end of the run
+                rec = {"error": C.short_error(e)}
+                C.free_memory()
+            fl = floor["unique" if eng == "ours_cascade" else "flat"]
+            if "step_ms" in rec:
+                rec["floor_ms"] = fl * 1e3
+                rec["step_vs_floor"] = rec["step_ms"] / (fl * 1e3)
+            results[mname][eng] = rec
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}, flush=True)
+            rows.append(_row(mname, eng, rec))
+        del model
+        C.free_memory()
+    payload = {"when": C.now(), "gpu": C.gpu_name(), "copy_gbps": bw, "versions": C.versions(),
+               "workload": dict(prompt_len=args.prompt_len, n=args.n, new=args.new, batch_new=args.batch_new,
+                                dtype="bf16"), "results": results}
+    table = C.md_table(["model", "engine", "tok/s", "decode tok/s", "prefill s", "decode step ms (floor)",
+                        "attention / host ms", "peak GiB"], rows)
+    print(table)
+    if not args.quick:
+        slug = C.gpu_slug()
+        C.write_json(args.out or f"{C.ROOT}/benchmarks/results/{slug}.json", "e2e", payload)
+        C.write_md_section(args.md or f"{C.ROOT}/benchmarks/results/{slug}.md", "e2e",
+                           f"## End-to-end sampling ({C.gpu_name()}, {C.now()})\n\n"
+                           f"One {args.prompt_len}-token prompt, n = {args.n}, {args.new} new tokens each, bf16; "
+                           f"copy bandwidth {bw:.0f} GB/s. hf_generate_batch timed on {args.batch_new} new "
+                           f"tokens.\n\n{table}\n")
+    return 0
+
+
+def _row(model: str, eng: str, rec: dict) -> list:
+    if "error" in rec:
+        return [model, eng, "error: " + rec["error"][:80], "", "", "", "", ""]
+    f = lambda v, d=0: "" if v is None else f"{v:,.{d}f}"  # noqa: E731
+    step = f"{f(rec.get('step_ms'), 2)} ({f(rec.get('floor_ms'), 2)})" if "step_ms" in rec else ""
+    share = f"{f(rec.get('attend_ms'), 2)} / {f(rec.get('step_host_ms'), 2)}" if "attend_ms" in rec else ""
+    return [model, eng, f(rec["tok_s"]), f(rec.get("decode_tok_s")), f(rec.get("prefill_s"), 2), step, share,
+            f(rec.get("peak_gib"), 1)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
