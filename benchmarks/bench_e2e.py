@@ -7,7 +7,8 @@ stop), bf16, on randomly initialised models of two shapes:
   vocab 128256).
 
 Engines, each on the same weights: ``ours_cascade`` (paged_backend.integration.LLM, samples decode
-their shared prompt with cascade decode), ``ours_flat`` (the same engine, every decode flat),
+their shared prompt with cascade decode, eager), ``ours_flat`` (the same engine, every decode flat,
+replayed from CUDA graphs), ``ours_flat_eager`` (flat, no graphs),
 ``hf_generate`` (transformers ``generate(num_return_sequences=64)`` with SDPA and its dense cache)
 and ``hf_generate_batch`` (transformers' continuous batching with its paged cache; slow, so timed
 on fewer new tokens and reported as a rate).
@@ -41,7 +42,7 @@ MODELS = {
 }
 QUICK_MODELS = {"tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)}
-ENGINES = ("ours_cascade", "ours_flat", "hf_generate", "hf_generate_batch")
+ENGINES = ("ours_cascade", "ours_flat", "ours_flat_eager", "hf_generate", "hf_generate_batch")
 
 
 def build(shape: dict, device, dtype):
@@ -65,10 +66,10 @@ def kv_bytes_per_token(model) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2
 
 
-def run_ours(model, prompt, n, new, cascade: bool, device) -> dict:
+def run_ours(model, prompt, n, new, cascade: bool, eager: bool, device) -> dict:
     llm = LLM(model, device=device, dtype=torch.bfloat16, max_num_seqs=n, max_model_len=len(prompt) + new + 16,
-              cascade=cascade, profile=True)
-    warm = SamplingParams(n=4, max_tokens=8, ignore_eos=True, seed=1)
+              cascade=cascade, enforce_eager=eager, profile=True)
+    warm = SamplingParams(n=n, max_tokens=4, ignore_eos=True, seed=1)  # compiles; captures the n-row graph
     other = [t + 1 for t in prompt[: len(prompt) // 2]]  # no prefix-cache hit on the timed prompt
     llm.generate([{"prompt_token_ids": other}], warm, use_tqdm=False)  # compiles the kernels
     llm.generate([{"prompt_token_ids": [t + 2 for t in other]}], warm, use_tqdm=False)
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=4096)
     p.add_argument("-n", type=int, default=64)
     p.add_argument("--new", type=int, default=256)
-    p.add_argument("--batch-new", type=int, default=32, help="new tokens for hf_generate_batch (it is slow)")
+    p.add_argument("--batch-new", type=int, default=16, help="new tokens for hf_generate_batch (it is slow)")
     p.add_argument("--quick", action="store_true", help="a tiny model and short run (smoke test)")
     p.add_argument("--out", help="results JSON (default benchmarks/results/<gpu>.json)")
     p.add_argument("--md", help="markdown (default benchmarks/results/<gpu>.md)")
@@ -188,7 +189,8 @@ def main(argv=None) -> int:
             print(f"--- {mname} {eng}", flush=True)
             try:
                 if eng.startswith("ours"):
-                    rec = run_ours(model, prompt, args.n, args.new, eng == "ours_cascade", device)
+                    rec = run_ours(model, prompt, args.n, args.new, eng == "ours_cascade", eng == "ours_flat_eager",
+                                   device)
                 elif eng == "hf_generate":
                     rec = run_hf_generate(model, prompt, args.n, args.new, device)
                 else:
@@ -211,11 +213,11 @@ def main(argv=None) -> int:
     table = C.md_table(["model", "engine", "tok/s", "decode tok/s", "prefill s", "decode step ms (floor)",
                         "attention / host ms", "peak GiB"], rows)
     print(table)
-    if not args.quick:
-        slug = C.gpu_slug()
-        C.write_json(args.out or f"{C.ROOT}/benchmarks/results/{slug}.json", "e2e", payload)
-        C.write_md_section(args.md or f"{C.ROOT}/benchmarks/results/{slug}.md", "e2e",
-                           f"## End-to-end sampling ({C.gpu_name()}, {C.now()})\n\n"
+    if not args.quick:  # one section per set of models, so models can run in processes of their own
+        slug, name = C.gpu_slug(), "e2e:" + ",".join(models)
+        C.write_json(args.out or f"{C.ROOT}/benchmarks/results/{slug}.json", name, payload)
+        C.write_md_section(args.md or f"{C.ROOT}/benchmarks/results/{slug}.md", name,
+                           f"## End-to-end sampling: {', '.join(models)} ({C.gpu_name()}, {C.now()})\n\n"
                            f"One {args.prompt_len}-token prompt, n = {args.n}, {args.new} new tokens each, bf16; "
                            f"copy bandwidth {bw:.0f} GB/s. hf_generate_batch timed on {args.batch_new} new "
                            f"tokens.\n\n{table}\n")

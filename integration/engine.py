@@ -28,7 +28,10 @@ from . import hf_attention, models
 from .kv_cache import KVCacheSpec, PagedKVCache, blocks_for
 from .outputs import CompletionOutput, RequestOutput, RunStats
 from .sampler import SampleRows, Sampler, row_keys
-from .step import CASCADE, DECODE, StepBuilder
+from .graphs import DecodeGraphs
+from .step import CASCADE, StepBuilder
+
+GRAPH = "graph"  # a decode step replayed from a CUDA graph
 
 log = logging.getLogger("paged_backend")
 
@@ -55,15 +58,17 @@ class LLM:
     the model's context). max_num_batched_tokens: tokens per step (prefill chunks + decodes).
     cascade: decode samples that share a prompt with ``pb.cascade_decode`` (a shared prefix read
     once, where its cost model says it pays; a ``CascadeCost`` replaces that model) - False runs
-    every decode flat. seed: the seed of requests that give none. profile: record each step's
-    host and GPU time in ``last_stats.step_log`` (CUDA events; for benchmarks).
+    every decode flat. seed: the seed of requests that give none. enforce_eager: on a GPU, flat
+    decode steps replay CUDA graphs of the model (captured per padded batch size on first use)
+    unless this is True. profile: record each step's host and GPU time in ``last_stats.step_log``
+    (CUDA events; for benchmarks).
     """
 
     def __init__(self, model=None, *, tokenizer=None, dtype="auto", device=None, block_size: int = 16,
                  num_blocks: int | None = None, kv_memory_fraction: float | None = None, max_num_seqs: int = 256,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, cascade: bool | CascadeCost = True, seed: int = 0,
-                 profile: bool = False):
+                 enforce_eager: bool = False, profile: bool = False):
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = models.pick_dtype(dtype, self.device)
         if isinstance(model, torch.nn.Module):
@@ -94,6 +99,9 @@ class LLM:
         self.builder = StepBuilder(self.cache, num_q_heads=self.info.num_q_heads, cascade=bool(cascade),
                                    cascade_cost=cascade if isinstance(cascade, CascadeCost) else None)
         self.sampler = Sampler(self.info.vocab_size, self.device)
+        self.graphs = None if enforce_eager or self.device.type != "cuda" else DecodeGraphs(
+            self.model, self.cache, num_q_heads=self.info.num_q_heads, max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len)
         self._seeds = np.random.default_rng(seed)
         self._next_id = 0
         self.profile = profile
@@ -194,12 +202,8 @@ class LLM:
         events = _events(self.device) if self.profile else None
         try:
             self.cache.copy_blocks(batch.block_copies)
-            step = self.builder.build(batch)
-            if events:
-                step.attend_events = []
+            kind, logits = self._forward(batch, events is not None)  # [R, V]
             with torch.inference_mode():
-                logits = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
-                                    logits_to_keep=step.logits_indices, paged_step=step).logits[0]  # [R, V]
                 rows, fork = self._sample_rows(batch)
                 if fork is not None:
                     logits = logits.repeat_interleave(torch.from_numpy(fork).to(logits.device), dim=0)
@@ -222,8 +226,9 @@ class LLM:
             gpu = attend = None
             if events:
                 gpu = events[0].elapsed_time(events[1]) / 1e3
-                attend = sum(a.elapsed_time(b) for a, b in step.attend_events) / 1e3
-            stats.step_log.append(dict(kind=step.kind, rows=len(batch.seqs), tokens=batch.num_tokens,
+                if self._attend_events:
+                    attend = sum(a.elapsed_time(b) for a, b in self._attend_events) / 1e3
+            stats.step_log.append(dict(kind=kind, rows=len(batch.seqs), tokens=batch.num_tokens,
                                        host_s=t_issued - t0, total_s=dt, gpu_s=gpu, attend_s=attend))
         stats.steps += 1
         if batch.num_prefill_tokens:
@@ -231,13 +236,34 @@ class LLM:
         else:
             stats.decode_time += dt
             stats.decode_steps += 1
-            stats.cascade_steps += step.kind == CASCADE and not step.plan.is_flat
+            stats.cascade_steps += kind == CASCADE
         bm = sched.bm
         used = bm.num_blocks - bm.num_free_blocks
         stats.peak_kv_blocks = max(stats.peak_kv_blocks, used)
         stats.peak_shared_bytes = max(stats.peak_shared_bytes, (bm.num_held - used) * bm.bytes_per_block)
         stats.preemptions = sched.num_preemptions - self._preemptions_before
         return done
+
+    def _forward(self, batch, timed: bool) -> tuple[str, torch.Tensor]:
+        """The model on one step -> (how attention ran: DECODE, CASCADE, PREFILL or GRAPH, logits [R, V]).
+        Flat decode steps replay a CUDA graph where one is available; the rest run eagerly."""
+        self._attend_events = None
+        step = None
+        if not batch.num_prefill_tokens and self.graphs is not None:
+            if self.builder.wants_cascade(batch):
+                step = self.builder.build(batch)
+            if step is None or step.plan.is_flat:
+                logits = self.graphs.run(batch)
+                if logits is not None:
+                    return GRAPH, logits
+        if step is None:
+            step = self.builder.build(batch)
+        if timed and self.device.type == "cuda":
+            step.attend_events = self._attend_events = []
+        with torch.inference_mode():
+            logits = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
+                                logits_to_keep=step.logits_indices, paged_step=step).logits[0]
+        return CASCADE if step.kind == CASCADE and not step.plan.is_flat else step.kind, logits
 
     def _sample_rows(self, batch) -> tuple[SampleRows, np.ndarray | None]:
         """The step's sample rows: each row with num_samples = c > 0 gives c rows (a prompt that

@@ -107,6 +107,10 @@ class StepBuilder:
         self._forest: pb.CascadePlan | None = None          # the last decode step's cascade plan
         self._forest_ids: np.ndarray | None = None          # and its rows' seq ids
 
+    def wants_cascade(self, batch) -> bool:
+        """Whether a decode-only ``batch`` would be planned as a cascade (rows share blocks)."""
+        return self.cascade and bool(batch.share_groups)
+
     def build(self, batch) -> Step:
         """``batch``: a ``paged_backend.scheduler.ScheduledBatch`` (not empty)."""
         qsl = batch.query_start_loc
@@ -121,7 +125,7 @@ class StepBuilder:
         if batch.num_prefill_tokens:
             self._forest = self._forest_ids = None  # shared blocks may change: plan anew later
             return step
-        if self.cascade and batch.share_groups:
+        if self.wants_cascade(batch):
             step.kind, step.plan = CASCADE, self._cascade_plan(batch, table)
         else:
             self._forest = self._forest_ids = None

@@ -76,6 +76,23 @@ def test_engine_on_every_attention_path(device):
         assert (llm.last_stats.cascade_steps > 0) == bool(cascade)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_decode_graphs_match_eager():
+    """Flat decode steps replayed from CUDA graphs (5 and then fewer rows, padded to 8 and 4) give
+    the eager engine's tokens (fp32), and the graphs were used."""
+    model = tiny("llama", seed=3)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS + [[11, 12]]]
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (12, 20, 6, 9, 16)]
+    eager = LLM(model, device="cuda", dtype="float32", num_blocks=64, enforce_eager=True)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model, device="cuda", dtype="float32", num_blocks=64, profile=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    kinds = [s["kind"] for s in llm.last_stats.step_log]
+    assert kinds.count("graph") >= 15 and set(llm.graphs.graphs) >= {8, 4}
+
+
 def test_cascade_decode_in_the_engine_matches_flat():
     """Every shared prompt block kept as a cascade node (cost model off): same greedy tokens."""
     model = tiny("qwen3", seed=1)

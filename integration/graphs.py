@@ -1,0 +1,106 @@
+"""CUDA graphs of the engine's flat decode steps.
+
+An eager decode step of a transformers model costs the host a few hundred kernel launches (tens of
+milliseconds for a 30-layer model), far above the GPU's work. A decode step whose attention is
+``pb.paged_decode`` with a ``DecodePlan`` replays instead: the model's forward for a batch padded
+to a captured size (1, 2, 4, 8, 16, 32, 64, then multiples of 64) is captured once, reading fixed
+device buffers; each step copies its metadata into them (one host-to-device copy), refills the
+plan's buffers with ``plan.update`` and replays. Padding rows have length 0 (attention gives 0),
+slot -1 (nothing is written) and token 0; their logits are dropped.
+
+Cascade steps run eagerly: a ``CascadePlan``'s buffers are sized by its forest (docs/engine.md).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import paged_backend as pb
+
+from .step import DECODE, Step
+
+
+def padded_size(batch: int) -> int:
+    """The captured batch size a decode step of ``batch`` rows runs in."""
+    if batch <= 64:
+        return 1 << max(0, (batch - 1).bit_length())
+    return -(-batch // 64) * 64
+
+
+class _Graph:
+    """One captured decode step of ``size`` rows (static buffers, plan, graph, output logits)."""
+
+    def __init__(self, model, cache, size: int, width: int, num_q_heads: int, max_seq_len: int, pool):
+        spec, dev = cache.spec, cache.spec.device
+        self.size, self.width = size, width
+        # every input in one device buffer, filled by one copy: int64 parts first (aligned views)
+        self.host = [np.zeros((1, size), np.int64), np.zeros((1, size), np.int64), np.full(size, -1, np.int64),
+                     np.zeros((size, width), np.int32), np.zeros(size, np.int32)]
+        self.buffer = torch.zeros(sum(a.nbytes for a in self.host), dtype=torch.uint8, device=dev)
+        ids, pos, slots, table, lens = self._views()
+        self.plan = pb.plan_decode(np.zeros(size, np.int64), num_q_heads=num_q_heads, num_kv_heads=spec.num_kv_heads,
+                                   head_dim=spec.head_dim, block_size=spec.block_size, device=dev)
+        rows = torch.arange(size, device=dev)
+        self.step = Step(cache, ids, pos, slots, table, lens, None, rows, DECODE, max_seq_len, plan=self.plan)
+        run = lambda: model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=rows,  # noqa: E731
+                            paged_step=self.step).logits[0]
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(2):  # compile, bind the plan's launches, settle the allocator
+                run()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool), torch.inference_mode():
+            self.logits = run()  # [size, V], rewritten by every replay
+
+    def _views(self) -> list[torch.Tensor]:
+        out, at = [], 0
+        for a in self.host:
+            out.append(self.buffer[at:at + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape))
+            at += a.nbytes
+        return out
+
+    def run(self, batch) -> torch.Tensor:
+        """Replays the step for ``batch`` (decode-only, at most ``size`` rows) -> logits [B, V]."""
+        b = len(batch.seqs)
+        ids, pos, slots, table, lens = self.host
+        ids[0, :b], ids[0, b:] = batch.input_ids, 0
+        pos[0, :b], pos[0, b:] = batch.positions, 0
+        slots[:b], slots[b:] = batch.slot_mapping, -1
+        cols = batch.block_tables.shape[1]
+        table[:b, :cols], table[:b, cols:], table[b:] = batch.block_tables, 0, 0
+        lens[:b], lens[b:] = batch.seq_lens, 0
+        src = torch.empty(self.buffer.numel(), dtype=torch.uint8, pin_memory=True)  # reused once copied
+        np.concatenate([a.reshape(-1).view(np.uint8) for a in self.host], out=src.numpy())
+        self.buffer.copy_(src, non_blocking=True)
+        self.plan.update(lens)
+        self.graph.replay()
+        return self.logits[:b]
+
+
+class DecodeGraphs:
+    """The captured decode steps of one engine, made on first use of each padded size."""
+
+    def __init__(self, model, cache, *, num_q_heads: int, max_num_seqs: int, max_model_len: int):
+        self.model, self.cache, self.num_q_heads = model, cache, num_q_heads
+        self.max_size = padded_size(max_num_seqs)
+        self.width = -(-max_model_len // cache.spec.block_size)
+        self.max_model_len = max_model_len
+        self.graphs: dict[int, _Graph] = {}
+        self.pool = None
+
+    def run(self, batch) -> torch.Tensor | None:
+        """Logits [B, V] of a decode-only step, or None when it cannot replay (the caller runs it
+        eagerly): more rows than captured, or a table wider than ``max_model_len`` allows."""
+        b = len(batch.seqs)
+        if b > self.max_size or batch.block_tables.shape[1] > self.width:
+            return None
+        size = padded_size(b)
+        g = self.graphs.get(size)
+        if g is None:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            g = self.graphs[size] = _Graph(self.model, self.cache, size, self.width, self.num_q_heads,
+                                           self.max_model_len, self.pool)
+        return g.run(batch)
