@@ -30,13 +30,15 @@ def padded_size(batch: int) -> int:
 class _Graph:
     """One captured decode step of ``size`` rows (static buffers, plan, graph, output logits)."""
 
-    def __init__(self, model, cache, size: int, width: int, num_q_heads: int, max_seq_len: int, pool):
+    def __init__(self, model, cache, size: int, width: int, num_q_heads: int, max_seq_len: int, pool,
+                 capture: bool = True):
         spec, dev = cache.spec, cache.spec.device
         self.size, self.width = size, width
         # every input in one device buffer, filled by one copy: int64 parts first (aligned views)
         self.host = [np.zeros((1, size), np.int64), np.zeros((1, size), np.int64), np.full(size, -1, np.int64),
                      np.zeros((size, width), np.int32), np.zeros(size, np.int32)]
-        self.buffer = torch.zeros(sum(a.nbytes for a in self.host), dtype=torch.uint8, device=dev)
+        # (holding the padding values from the start: a warm-up must write no KV, slot -1)
+        self.buffer = torch.from_numpy(self._packed()).to(dev)
         ids, pos, slots, table, lens = self._views()
         self.plan = pb.plan_decode(np.zeros(size, np.int64), num_q_heads=num_q_heads, num_kv_heads=spec.num_kv_heads,
                                    head_dim=spec.head_dim, block_size=spec.block_size, device=dev)
@@ -44,6 +46,12 @@ class _Graph:
         self.step = Step(cache, ids, pos, slots, table, lens, None, rows, DECODE, max_seq_len, plan=self.plan)
         run = lambda: model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=rows,  # noqa: E731
                             paged_step=self.step).logits[0]
+        self.graph = None
+        if not capture:  # the same buffers, plan and warm-up, run eagerly (tests the plumbing on the CPU)
+            with torch.inference_mode():
+                run()
+            self.replay = lambda: setattr(self, "logits", run())
+            return
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side), torch.inference_mode():
@@ -53,6 +61,10 @@ class _Graph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool), torch.inference_mode():
             self.logits = run()  # [size, V], rewritten by every replay
+        self.replay = self.graph.replay
+
+    def _packed(self) -> np.ndarray:
+        return np.concatenate([a.reshape(-1).view(np.uint8) for a in self.host])
 
     def _views(self) -> list[torch.Tensor]:
         out, at = [], 0
@@ -71,19 +83,21 @@ class _Graph:
         cols = batch.block_tables.shape[1]
         table[:b, :cols], table[:b, cols:], table[b:] = batch.block_tables, 0, 0
         lens[:b], lens[b:] = batch.seq_lens, 0
-        src = torch.empty(self.buffer.numel(), dtype=torch.uint8, pin_memory=True)  # reused once copied
+        src = torch.empty(self.buffer.numel(), dtype=torch.uint8, pin_memory=self.buffer.is_cuda)  # reused once copied
         np.concatenate([a.reshape(-1).view(np.uint8) for a in self.host], out=src.numpy())
         self.buffer.copy_(src, non_blocking=True)
         self.plan.update(lens)
-        self.graph.replay()
+        with torch.inference_mode():
+            self.replay()
         return self.logits[:b]
 
 
 class DecodeGraphs:
     """The captured decode steps of one engine, made on first use of each padded size."""
 
-    def __init__(self, model, cache, *, num_q_heads: int, max_num_seqs: int, max_model_len: int):
-        self.model, self.cache, self.num_q_heads = model, cache, num_q_heads
+    def __init__(self, model, cache, *, num_q_heads: int, max_num_seqs: int, max_model_len: int,
+                 capture: bool = True):
+        self.model, self.cache, self.num_q_heads, self.capture = model, cache, num_q_heads, capture
         self.max_size = padded_size(max_num_seqs)
         self.width = -(-max_model_len // cache.spec.block_size)
         self.max_model_len = max_model_len
@@ -99,8 +113,8 @@ class DecodeGraphs:
         size = padded_size(b)
         g = self.graphs.get(size)
         if g is None:
-            if self.pool is None:
+            if self.pool is None and self.capture:
                 self.pool = torch.cuda.graph_pool_handle()
             g = self.graphs[size] = _Graph(self.model, self.cache, size, self.width, self.num_q_heads,
-                                           self.max_model_len, self.pool)
+                                           self.max_model_len, self.pool, self.capture)
         return g.run(batch)

@@ -76,6 +76,24 @@ def test_engine_on_every_attention_path(device):
         assert (llm.last_stats.cascade_steps > 0) == bool(cascade)
 
 
+@pytest.mark.kernel
+def test_decode_graph_buffers_and_padding_on_the_cpu():
+    """The CUDA-graph path's static buffers, padding rows, plan updates and warm-up, run eagerly
+    (capture=False): the eager engine's tokens (5 rows padded to 8, then 4, 2, 1)."""
+    from paged_backend.integration.graphs import DecodeGraphs
+    model = tiny("llama", seed=3)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS + [[11, 12]]]
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (12, 20, 6, 9, 16)]
+    want = [o.outputs[0].token_ids for o in LLM(model, device="cpu", num_blocks=64).generate(prompts, params,
+                                                                                             use_tqdm=False)]
+    llm = LLM(model, device="cpu", num_blocks=64, profile=True)
+    llm.graphs = DecodeGraphs(llm.model, llm.cache, num_q_heads=llm.info.num_q_heads, max_num_seqs=8,
+                              max_model_len=llm.max_model_len, capture=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert sorted(llm.graphs.graphs) == [1, 2, 4, 8]
+    assert [s["kind"] for s in llm.last_stats.step_log].count("graph") == 19
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_decode_graphs_match_eager():
