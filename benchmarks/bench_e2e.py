@@ -6,9 +6,10 @@ stop), bf16, on randomly initialised models of two shapes:
 - ``llama3-8b-16l``: Llama-3-8B's shape cut to 16 layers (4.5 B parameters; 32/8 heads of 128,
   vocab 128256).
 
-Engines, each on the same weights: ``ours_cascade`` (paged_backend.integration.LLM, samples decode
-their shared prompt with cascade decode, eager), ``ours_flat`` (the same engine, every decode flat,
-replayed from CUDA graphs), ``ours_flat_eager`` (flat, no graphs),
+Engines, each on the same weights: ``ours`` (paged_backend.integration.LLM as it comes: flat decode
+steps replay CUDA graphs, and samples sharing a prompt take the eager cascade when reading their
+prompt n times would cost more), ``ours_cascade`` (every decode step a cascade, eager),
+``ours_flat`` (every decode flat, in CUDA graphs), ``ours_flat_eager`` (flat, no graphs),
 ``hf_generate`` (transformers ``generate(num_return_sequences=64)`` with SDPA and its dense cache)
 and ``hf_generate_batch`` (transformers' continuous batching with its paged cache; slow, so timed
 on fewer new tokens and reported as a rate).
@@ -42,7 +43,9 @@ MODELS = {
 }
 QUICK_MODELS = {"tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)}
-ENGINES = ("ours_cascade", "ours_flat", "ours_flat_eager", "hf_generate", "hf_generate_batch")
+ENGINES = ("ours", "ours_cascade", "ours_flat", "ours_flat_eager", "hf_generate", "hf_generate_batch")
+OURS = {"ours": dict(), "ours_cascade": dict(enforce_eager=True), "ours_flat": dict(cascade=False),
+        "ours_flat_eager": dict(cascade=False, enforce_eager=True)}  # LLM keyword arguments
 
 
 def build(shape: dict, device, dtype):
@@ -66,9 +69,9 @@ def kv_bytes_per_token(model) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2
 
 
-def run_ours(model, prompt, n, new, cascade: bool, eager: bool, device) -> dict:
+def run_ours(model, prompt, n, new, kwargs: dict, device) -> dict:
     llm = LLM(model, device=device, dtype=torch.bfloat16, max_num_seqs=n, max_model_len=len(prompt) + new + 16,
-              cascade=cascade, enforce_eager=eager, profile=True)
+              profile=True, **kwargs)
     warm = SamplingParams(n=n, max_tokens=4, ignore_eos=True, seed=1)  # compiles; captures the n-row graph
     other = [t + 1 for t in prompt[: len(prompt) // 2]]  # no prefix-cache hit on the timed prompt
     llm.generate([{"prompt_token_ids": other}], warm, use_tqdm=False)  # compiles the kernels
@@ -87,7 +90,8 @@ def run_ours(model, prompt, n, new, cascade: bool, eager: bool, device) -> dict:
 
     rec = dict(wall_s=wall, tokens=n * new, tok_s=n * new / wall, prefill_s=st.prefill_time,
                decode_s=st.decode_time, decode_tok_s=(n * (new - 1)) / st.decode_time if st.decode_time else None,
-               decode_steps=len(dec), cascade_steps=st.cascade_steps, step_ms=med("total_s"),
+               decode_steps=len(dec), cascade_steps=st.cascade_steps,
+               graph_steps=sum(s["kind"] == "graph" for s in dec), step_ms=med("total_s"),
                step_gpu_ms=med("gpu_s"), step_host_ms=med("host_s"), attend_ms=med("attend_s"),
                peak_gib=_peak(device), kv_pool_gib=llm.cache.nbytes / 2 ** 30)
     del llm
@@ -188,9 +192,8 @@ def main(argv=None) -> int:
         for eng in engines:
             print(f"--- {mname} {eng}", flush=True)
             try:
-                if eng.startswith("ours"):
-                    rec = run_ours(model, prompt, args.n, args.new, eng == "ours_cascade", eng == "ours_flat_eager",
-                                   device)
+                if eng in OURS:
+                    rec = run_ours(model, prompt, args.n, args.new, OURS[eng], device)
                 elif eng == "hf_generate":
                     rec = run_hf_generate(model, prompt, args.n, args.new, device)
                 else:
@@ -198,7 +201,7 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 - a peer failing is a result, not the end of the run
                 rec = {"error": C.short_error(e)}
                 C.free_memory()
-            fl = floor["unique" if eng == "ours_cascade" else "flat"]
+            fl = floor["unique" if eng == "ours_cascade" or rec.get("cascade_steps") else "flat"]
             if "step_ms" in rec:
                 rec["floor_ms"] = fl * 1e3
                 rec["step_vs_floor"] = rec["step_ms"] / (fl * 1e3)
@@ -214,7 +217,7 @@ def main(argv=None) -> int:
                         "attention / host ms", "peak GiB"], rows)
     print(table)
     if not args.quick:  # one section per set of models, so models can run in processes of their own
-        slug, name = C.gpu_slug(), "e2e:" + ",".join(models)
+        slug, name = C.gpu_slug(), f"e2e:{','.join(models)}:{args.prompt_len}x{args.n}x{args.new}"
         C.write_json(args.out or f"{C.ROOT}/benchmarks/results/{slug}.json", name, payload)
         C.write_md_section(args.md or f"{C.ROOT}/benchmarks/results/{slug}.md", name,
                            f"## End-to-end sampling: {', '.join(models)} ({C.gpu_name()}, {C.now()})\n\n"

@@ -13,10 +13,9 @@ prefill and preemption; the engine owns the model, the KV cache tensors and the 
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -25,24 +24,17 @@ from paged_backend.cascade import CascadeCost
 from paged_backend.scheduler import BlockManager, SamplingParams, Scheduler
 
 from . import hf_attention, models
+from .graphs import DecodeGraphs, PathChoice
 from .kv_cache import KVCacheSpec, PagedKVCache, blocks_for
-from .outputs import CompletionOutput, RequestOutput, RunStats
-from .sampler import SampleRows, Sampler, row_keys
-from .graphs import DecodeGraphs
+from .outputs import RequestOutput, RunStats
+from .requests import Request, RequestMaker, chat_prompts
+from .sampler import Sampler
+from .samples import SampleBook
 from .step import CASCADE, StepBuilder
 
 GRAPH = "graph"  # a decode step replayed from a CUDA graph
 
 log = logging.getLogger("paged_backend")
-
-
-@dataclasses.dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    token_ids: list[int]
-    params: SamplingParams  # with the model's EOS added to stop_token_ids (unless ignore_eos)
-    seed: int
 
 
 class LLM:
@@ -99,11 +91,13 @@ class LLM:
         self.builder = StepBuilder(self.cache, num_q_heads=self.info.num_q_heads, cascade=bool(cascade),
                                    cascade_cost=cascade if isinstance(cascade, CascadeCost) else None)
         self.sampler = Sampler(self.info.vocab_size, self.device)
-        self.graphs = None if enforce_eager or self.device.type != "cuda" else DecodeGraphs(
-            self.model, self.cache, num_q_heads=self.info.num_q_heads, max_num_seqs=max_num_seqs,
-            max_model_len=self.max_model_len)
-        self._seeds = np.random.default_rng(seed)
-        self._next_id = 0
+        self.graphs = self.choice = None
+        if not enforce_eager and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(self.model, self.cache, num_q_heads=self.info.num_q_heads,
+                                       max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
+            self.choice = PathChoice(self.model, spec.bytes_per_block // block_size, self.device)
+        self.requests = RequestMaker(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
+                                     np.random.default_rng(seed))
         self.profile = profile
         self.last_stats = RunStats()
 
@@ -117,7 +111,7 @@ class LLM:
         Malformed prompts or parameters raise before anything runs; a request over the engine's
         limits (``max_model_len``, the KV pool, ``max_num_seqs`` for ``n``) comes back with
         ``error`` set while the others run."""
-        reqs = self._prepare(prompts, sampling_params, None)
+        reqs = self.requests.make(prompts, sampling_params)
         outs = {o.request_id: o for o in self._run(reqs, use_tqdm)}
         return [outs[r.request_id] for r in reqs]
 
@@ -133,26 +127,17 @@ class LLM:
     def chat_prompts(self, messages, *, add_generation_prompt: bool = True,
                      chat_template_kwargs: dict | None = None) -> list[dict]:
         """Conversations -> prompts for :meth:`generate` (the template's text and its token ids)."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.info.name} has no chat template; send raw prompts with generate()")
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        out = []
-        for i, conv in enumerate(convs):
-            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
-                raise ValueError(f"messages[{i}] must be a non-empty list of {{'role': ..., 'content': ...}} dicts")
-            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                      **(chat_template_kwargs or {}))
-            out.append({"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids})
-        return out
+        return chat_prompts(self.tokenizer, self.info.name, messages, add_generation_prompt=add_generation_prompt,
+                            chat_template_kwargs=chat_template_kwargs)
 
     def generate_iter(self, prompts, sampling_params=None, *, use_tqdm: bool = False,
                       request_ids: list[str] | None = None) -> Iterator[RequestOutput]:
         """Like :meth:`generate`, but yields each request's output as soon as it finishes (rejected
         requests first). Closing the iterator early aborts the requests still running. Prompts
         and parameters are checked here, before the first output."""
-        return self._run(self._prepare(prompts, sampling_params, request_ids), use_tqdm)
+        return self._run(self.requests.make(prompts, sampling_params, request_ids), use_tqdm)
 
-    def _run(self, reqs: list[_Request], use_tqdm: bool) -> Iterator[RequestOutput]:
+    def _run(self, reqs: list[Request], use_tqdm: bool) -> Iterator[RequestOutput]:
         stats = self.last_stats = RunStats(num_requests=len(reqs), num_kv_blocks=self.cache.num_blocks,
                                            kv_block_bytes=self.cache.spec.bytes_per_block)
         t_start = time.perf_counter()
@@ -170,13 +155,16 @@ class LLM:
                     yield RequestOutput(r.request_id, r.prompt, r.token_ids, [], error=str(e))
                     continue
                 live.add(r.request_id)
-                self._requests[r.request_id] = r
+                self._live[r.request_id] = r
                 stats.num_samples += r.params.n
                 stats.prompt_tokens += len(r.token_ids)
             while self.sched.has_unfinished():
                 for g in self._step(stats):
                     live.discard(g.request_id)
-                    out = self._output(g)
+                    self.sched.requests.pop(g.request_id, None)
+                    out = self.samples.output(g, self._live.pop(g.request_id),
+                                              self._detokenize if self.tokenizer is not None else None,
+                                              self.info.eos_token_ids)
                     stats.generated_tokens += sum(len(c.token_ids) for c in out.outputs)
                     stats.cached_prompt_tokens = self.sched.bm.prefix_hit_tokens - hits_before
                     stats.wall_time = time.perf_counter() - t_start
@@ -188,9 +176,8 @@ class LLM:
             bar.close()
             for rid in live:  # closed early: the step boundary is behind us, so blocks free safely
                 if rid in self.sched.requests:
-                    g = self.sched.abort(rid)
-                    self._drop(g)
-                self._requests.pop(rid, None)
+                    self.samples.drop(self.sched.abort(rid))
+                self._live.pop(rid, None)
 
     # ------------------------------------------------------------------ one step
     def _step(self, stats: RunStats):
@@ -204,7 +191,7 @@ class LLM:
             self.cache.copy_blocks(batch.block_copies)
             kind, logits = self._forward(batch, events is not None)  # [R, V]
             with torch.inference_mode():
-                rows, fork = self._sample_rows(batch)
+                rows, fork = self.samples.rows(batch, self._live)
                 if fork is not None:
                     logits = logits.repeat_interleave(torch.from_numpy(fork).to(logits.device), dim=0)
                 sampled = self.sampler(logits, rows)
@@ -220,8 +207,10 @@ class LLM:
             raise
         tokens = host[0].astype(np.int64)
         done = sched.postprocess(batch, tokens)
-        self._record(batch, host[1], top, tokens)
+        self.samples.record(batch, tokens, host[1], top)
         dt = time.perf_counter() - t0
+        if kind == CASCADE and self.choice is not None:
+            self.choice.note_cascade(dt)
         if self.profile:
             gpu = attend = None
             if events:
@@ -250,7 +239,7 @@ class LLM:
         self._attend_events = None
         step = None
         if not batch.num_prefill_tokens and self.graphs is not None:
-            if self.builder.wants_cascade(batch):
+            if self.builder.wants_cascade(batch) and self.choice.cascade(batch):
                 step = self.builder.build(batch)
             if step is None or step.plan.is_flat:
                 logits = self.graphs.run(batch)
@@ -265,137 +254,6 @@ class LLM:
                                 logits_to_keep=step.logits_indices, paged_step=step).logits[0]
         return CASCADE if step.kind == CASCADE and not step.plan.is_flat else step.kind, logits
 
-    def _sample_rows(self, batch) -> tuple[SampleRows, np.ndarray | None]:
-        """The step's sample rows: each row with num_samples = c > 0 gives c rows (a prompt that
-        forks into n samples draws n tokens from its last position). -> (rows, c per row or None
-        when every c is 1)."""
-        sel = np.flatnonzero(batch.num_samples)
-        counts = batch.num_samples[sel]
-        seqs = [batch.seqs[i] for i in sel]
-        per = np.array([(self._requests[s.group.request_id].seed, self._sample_index.get(s.seq_id, 0),
-                         len(s.token_ids) - s.num_prompt_tokens) for s in seqs], np.int64).reshape(-1, 3)
-        params = [seqs[i].group.params for i in range(len(seqs))]
-        fork = None
-        if (counts > 1).any():
-            rep = np.repeat(np.arange(len(sel)), counts)
-            first = np.repeat(np.cumsum(counts) - counts, counts)
-            per = per[rep]
-            per[:, 1] += np.arange(rep.size) - first  # a fork row's samples are 0..n-1
-            params = [params[i] for i in rep]
-            fork = counts.astype(np.int64)
-        rows = SampleRows(
-            temperature=np.array([p.temperature for p in params], np.float32),
-            top_k=np.array([p.top_k for p in params], np.int64),
-            top_p=np.array([p.top_p for p in params], np.float32),
-            min_p=np.array([p.min_p for p in params], np.float32),
-            key=row_keys(per[:, 0].astype(np.uint64), per[:, 1], per[:, 2]),
-            num_logprobs=max((p.logprobs or 0 for p in params), default=0))
-        return rows, fork
-
-    def _record(self, batch, logprobs: np.ndarray, top, tokens: np.ndarray) -> None:
-        """Adds each sampled token's log-probability (and top-k) to its sample's running totals."""
-        k = 0
-        for i in np.flatnonzero(batch.num_samples).tolist():
-            s, c = batch.seqs[i], int(batch.num_samples[i])
-            fam = s.group.seqs[:c] if c > 1 else (s,)
-            for j, t in enumerate(fam):
-                if c > 1:
-                    self._sample_index[t.seq_id] = j
-                self._cumulative[t.seq_id] = self._cumulative.get(t.seq_id, 0.0) + float(logprobs[k])
-                n_top = t.group.params.logprobs
-                if n_top is not None:
-                    entry = {int(tokens[k]): float(logprobs[k])}
-                    if n_top:
-                        entry.update(zip(top[0][k, :n_top].tolist(), top[1][k, :n_top].tolist()))
-                    self._logprobs.setdefault(t.seq_id, []).append(entry)
-                k += 1
-
-    # ------------------------------------------------------------------ requests in and out
-    def _prepare(self, prompts, sampling_params, request_ids) -> list[_Request]:
-        """Validates every prompt and parameter set before anything runs -> requests."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        if not isinstance(prompts, Iterable):
-            raise TypeError(f"prompts must be a str, a dict or a list of them, got {type(prompts).__name__}")
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        sampling_params = list(sampling_params)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
-        if request_ids is not None and len(request_ids) != len(prompts):
-            raise ValueError(f"request_ids has {len(request_ids)} entries for {len(prompts)} prompts")
-        reqs = []
-        for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
-            if not isinstance(sp, SamplingParams):
-                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
-            text, ids = self._tokens(p, i)
-            if not sp.ignore_eos and self.info.eos_token_ids:
-                sp = dataclasses.replace(sp, stop_token_ids=tuple(dict.fromkeys(sp.stop_token_ids
-                                                                                 + self.info.eos_token_ids)))
-            if sp.stop and self.tokenizer is None:
-                raise ValueError(f"sampling_params[{i}].stop needs a tokenizer (stop strings are matched on text)")
-            rid = str(request_ids[i]) if request_ids is not None else f"{self._next_id + i}"
-            seed = sp.seed if sp.seed is not None else int(self._seeds.integers(0, 2 ** 63))
-            reqs.append(_Request(rid, text, ids, sp, seed))
-        self._next_id += len(prompts)
-        if len({r.request_id for r in reqs}) != len(reqs):
-            raise ValueError("request_ids must be distinct")
-        return reqs
-
-    def _tokens(self, p, i: int) -> tuple[str | None, list[int]]:
-        if isinstance(p, str):
-            if not p:
-                raise ValueError(f"prompts[{i}] is empty")
-            if self.tokenizer is None:
-                raise ValueError(f"prompts[{i}] is text but the engine has no tokenizer: pass prompt_token_ids")
-            return p, list(self.tokenizer(p).input_ids)
-        if isinstance(p, dict):
-            if "prompt_token_ids" in p:
-                ids = p["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                                 for t in ids):
-                    raise TypeError(f"prompts[{i}]['prompt_token_ids'] must be a list of ints")
-                if not ids:
-                    raise ValueError(f"prompts[{i}] has no tokens")
-                bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
-                if bad:
-                    raise ValueError(f"prompts[{i}] has token ids outside the vocabulary [0, {self.info.vocab_size}): "
-                                     f"{bad[:5]}")
-                return p.get("prompt"), list(ids)
-            if "prompt" in p:
-                return self._tokens(p["prompt"], i)
-            raise ValueError(f"prompts[{i}] must have 'prompt' or 'prompt_token_ids', got keys {sorted(p)}")
-        raise TypeError(f"prompts[{i}] must be a str or a dict, got {type(p).__name__}")
-
-    def _output(self, g) -> RequestOutput:
-        r = self._requests.pop(g.request_id)
-        self.sched.requests.pop(g.request_id, None)
-        outs = []
-        for j, s in enumerate(g.seqs):
-            ids = s.output_token_ids
-            text = self._detokenize(ids) if self.tokenizer is not None else ""
-            reason = None
-            if s.finish_reason == "stop":
-                if ids and ids[-1] in r.params.stop_token_ids:
-                    reason = None if ids[-1] in self.info.eos_token_ids else ids[-1]
-                else:
-                    at, reason = min((text.find(x), x) for x in r.params.stop if x in text)
-                    text = text[:at]
-            outs.append(CompletionOutput(j, text, ids, self._cumulative.get(s.seq_id, 0.0),
-                                         self._logprobs.get(s.seq_id, []) if r.params.logprobs is not None else None,
-                                         s.finish_reason, reason))
-        self._drop(g)
-        return RequestOutput(r.request_id, r.prompt, r.token_ids, outs, num_preemptions=g.num_preemptions)
-
-    def _drop(self, g) -> None:
-        """Forgets a finished or aborted request's per-sample totals."""
-        for s in g.seqs:
-            for d in (self._cumulative, self._logprobs, self._sample_index):
-                d.pop(s.seq_id, None)
-
     def _detokenize(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -404,10 +262,8 @@ class LLM:
                           enable_prefix_caching=self._prefix_caching, bytes_per_block=self.cache.spec.bytes_per_block)
         self.sched = Scheduler(bm, **self._sched_args)
         self._preemptions_before = 0
-        self._requests: dict[str, _Request] = {}
-        self._sample_index: dict[int, int] = {}
-        self._cumulative: dict[int, float] = {}
-        self._logprobs: dict[int, list] = {}
+        self._live: dict[str, Request] = {}  # requests added and not finished
+        self.samples = SampleBook()
 
 
 def _events(device: torch.device):

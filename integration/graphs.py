@@ -9,6 +9,10 @@ plan's buffers with ``plan.update`` and replays. Padding rows have length 0 (att
 slot -1 (nothing is written) and token 0; their logits are dropped.
 
 Cascade steps run eagerly: a ``CascadePlan``'s buffers are sized by its forest (docs/engine.md).
+So on a GPU a decode step whose samples share a prompt runs either flat in a graph (reading the
+shared KV once per sample) or as an eager cascade (reading it once, but paying the eager host time
+of every layer): :class:`PathChoice` takes the cascade when the KV bytes flat decode would read
+take longer at the GPU's copy bandwidth than the eager cascade steps measured so far.
 """
 from __future__ import annotations
 
@@ -118,3 +122,40 @@ class DecodeGraphs:
             g = self.graphs[size] = _Graph(self.model, self.cache, size, self.width, self.num_q_heads,
                                            self.max_model_len, self.pool, self.capture)
         return g.run(batch)
+
+
+class PathChoice:
+    """Eager cascade or flat graph, per decode step (see module doc)."""
+
+    def __init__(self, model, kv_bytes_per_token: int, device: torch.device):
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.device = device
+        self.bandwidth = None  # bytes/s of a device copy, measured on first use
+        self.eager_s = None    # time of an eager cascade step (moving average), None until one ran
+
+    def cascade(self, batch) -> bool:
+        """Whether ``batch`` (decode-only, rows sharing blocks) should try the eager cascade."""
+        if self.eager_s is None:
+            return True  # run one to measure it
+        if self.bandwidth is None:
+            self.bandwidth = _copy_bandwidth(self.device)
+        flat = self.weight_bytes + int(batch.seq_lens.sum()) * self.kv_bytes_per_token
+        return flat / self.bandwidth > self.eager_s
+
+    def note_cascade(self, seconds: float) -> None:
+        self.eager_s = seconds if self.eager_s is None else 0.8 * self.eager_s + 0.2 * seconds
+
+
+def _copy_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
+    """Bytes/s moved by a device-to-device copy (read + write counted)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 5 * nbytes / (start.elapsed_time(end) / 1e3)
