@@ -48,8 +48,9 @@ OURS = {"ours": dict(), "ours_cascade": dict(enforce_eager=True), "ours_flat": d
         "ours_flat_eager": dict(cascade=False, enforce_eager=True)}  # LLM keyword arguments
 
 
-def build(shape: dict, device, dtype):
+def build(shape: dict, device, dtype, context: int):
     from transformers import AutoModelForCausalLM, LlamaConfig
+    shape = dict(shape, max_position_embeddings=max(shape["max_position_embeddings"], context))
     cfg = LlamaConfig(**shape, eos_token_id=None, bos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     with torch.device(device):
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
     print(f"{C.gpu_name()} copy bandwidth {bw:.0f} GB/s", flush=True)
     results, rows = {}, []
     for mname, shape in models.items():
-        model = build(shape, device, torch.bfloat16)
+        model = build(shape, device, torch.bfloat16, args.prompt_len + args.new + 64)
         prompt = torch.randint(10, shape["vocab_size"], (args.prompt_len,), generator=torch.Generator().manual_seed(1))
         prompt = prompt.tolist()
         w, kvb = weight_bytes(model), kv_bytes_per_token(model)
