@@ -87,6 +87,8 @@ class Sampler:
             raise ValueError(f"logits must have {self.vocab_size} columns (the vocabulary), got {v}")
         dev = logits.device
         logits = logits.float()
+        if s == 0:  # a step of prefill chunks only: nothing to draw
+            return Sampled(torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, device=dev))
         raw_lse = torch.logsumexp(logits, dim=-1)  # [S]
         greedy_np = rows.temperature == 0
         tokens = torch.argmax(logits, dim=-1) if greedy_np.any() else None

@@ -76,6 +76,18 @@ def test_engine_on_every_attention_path(device):
         assert (llm.last_stats.cascade_steps > 0) == bool(cascade)
 
 
+def test_chunked_prefill_steps_that_sample_nothing():
+    """Prompts longer than a step's token budget run in chunks; steps of chunks alone draw no token."""
+    model = tiny("qwen2", seed=2)
+    long = list(range(3, 103))
+    want = hf_greedy(model, long, 8)
+    llm = LLM(model, device="cpu", num_blocks=64, max_num_seqs=4, max_num_batched_tokens=24)
+    outs = llm.generate([{"prompt_token_ids": long}, {"prompt_token_ids": PROMPTS[0]}],
+                        SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == want and outs[1].outputs[0].token_ids == hf_greedy(model, PROMPTS[0], 8)
+    assert llm.last_stats.steps >= 100 // 24 + 8
+
+
 @pytest.mark.kernel
 def test_decode_graph_buffers_and_padding_on_the_cpu():
     """The CUDA-graph path's static buffers, padding rows, plan updates and warm-up, run eagerly
