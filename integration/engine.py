@@ -214,6 +214,7 @@ class LLM:
         if self.profile:
             gpu = attend = None
             if events:
+                events[1].synchronize()  # (a step of prefill chunks copies nothing back: no sync)
                 gpu = events[0].elapsed_time(events[1]) / 1e3
                 if self._attend_events:
                     attend = sum(a.elapsed_time(b) for a, b in self._attend_events) / 1e3
