@@ -132,19 +132,21 @@ class PathChoice:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.device = device
         self.bandwidth = None  # bytes/s of a device copy, measured on first use
-        self.eager_s = None    # time of an eager cascade step (moving average), None until one ran
+        self.eager_s = None    # time of an eager cascade step: the least seen, drifting up slowly
+        self.probes = 2        # cascade steps run before deciding (the first compiles its kernels)
 
     def cascade(self, batch) -> bool:
         """Whether ``batch`` (decode-only, rows sharing blocks) should try the eager cascade."""
-        if self.eager_s is None:
-            return True  # run one to measure it
+        if self.probes > 0:
+            return True
         if self.bandwidth is None:
             self.bandwidth = _copy_bandwidth(self.device)
         flat = self.weight_bytes + int(batch.seq_lens.sum()) * self.kv_bytes_per_token
         return flat / self.bandwidth > self.eager_s
 
     def note_cascade(self, seconds: float) -> None:
-        self.eager_s = seconds if self.eager_s is None else 0.8 * self.eager_s + 0.2 * seconds
+        self.probes -= 1
+        self.eager_s = seconds if self.eager_s is None else min(seconds, 0.9 * self.eager_s + 0.1 * seconds)
 
 
 def _copy_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:
