@@ -2,7 +2,7 @@
 
     python3 benchmarks/plot_results.py [--gpu h200]
 
-Reads benchmarks/results/<gpu>.json (decode, cascade) and parallel_<gpu>x{2,4}.json.
+Reads benchmarks/results/<gpu>.json (decode, the e2e sampling runs) and parallel_<gpu>x{2,4}.json.
 Needs matplotlib (the `bench` extra).
 """
 from __future__ import annotations
@@ -67,6 +67,28 @@ def plot_parallel(runs: dict, path: str) -> None:
     plt.close(fig)
 
 
+def plot_e2e(runs: dict, path: str) -> None:
+    """Generated tokens/s per engine, one panel per e2e run (model x workload)."""
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4.2), squeeze=False)
+    for ax, (name, run) in zip(axes[0], sorted(runs.items())):
+        (model, res), = run["results"].items()
+        engines = [e for e in ("ours", "ours_flat", "ours_cascade", "ours_flat_eager", "hf_generate",
+                               "hf_generate_batch") if isinstance(res.get(e), dict)]
+        vals = [res[e].get("tok_s", 0.0) for e in engines]
+        colors = ["#1f77b4" if e.startswith("ours") else "#aaaaaa" for e in engines]
+        ax.barh(engines[::-1], vals[::-1], color=colors[::-1])
+        for y, (e, v) in enumerate(zip(engines[::-1], vals[::-1])):
+            ax.text(v, y, f" {v:,.0f}" if v else " out of memory", va="center", fontsize=8)
+        w = run["workload"]
+        ax.set_title(f"{model}: {w['prompt_len']} x {w['n']} x {w['new']}", fontsize=10)
+        ax.set_xlabel("generated tokens / s")
+        ax.set_xlim(0, max(vals) * 1.25)
+    fig.suptitle("Parallel sampling end to end (prompt tokens x samples x new tokens, bf16, H100)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpu", default="h200")
@@ -75,6 +97,9 @@ def main() -> None:
     with open(os.path.join(RESULTS, f"{args.gpu}.json")) as f:
         bench = json.load(f)["benchmarks"]
     plot_decode(bench["decode"], os.path.join(IMG, f"decode_{args.gpu}.png"))
+    e2e = {k: v for k, v in bench.items() if k.startswith("e2e:")}
+    if e2e:
+        plot_e2e(e2e, os.path.join(IMG, f"e2e_{args.gpu}.png"))
     runs = {}
     for world in (2, 4):
         p = os.path.join(RESULTS, f"parallel_{args.gpu}x{world}.json")
