@@ -1,0 +1,139 @@
+"""The vLLM plug-in's per-step costs, through vLLM 0.33's own classes on the GPU: the builder's host
+time (``build``: split, plan; a cascade plan adds the block table's device-to-host copy) and one
+layer's attention (``impl.forward``), cascade against flat decode on the same step.
+
+    python3 benchmarks/bench_vllm.py [--out R.json] [--md R.md]
+
+vLLM must import (on the lent GPU: its Python files and light requirements carried, docs/vllm.md;
+``VLLM_TARGET_DEVICE=cpu`` because its CUDA platform needs its compiled ops, which the tensors here
+never touch). Cases: ``ragged`` (64 requests of 1K-8K tokens, nothing shared) and the
+prefix/n/suffix shapes of bench_cascade. bf16, Hq 32, Hkv 8, D 128, page 16. ``build`` is timed
+with the GPU idle: behind a busy GPU a cascade build waits for the queued work (the copy syncs),
+which a flat build never does. ``break-even`` = layers after which cascade's saving per layer pays
+its extra build time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+from bench_cascade import BS, CASES, D, HKV, HQ, build  # noqa: E402
+
+BENCH = "vllm"
+SHAPES = ["ragged", "8192/64/256", "4096/256/128", "32768/16/512"]
+
+
+def vllm_step(table: np.ndarray, lens: np.ndarray, device):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    b = len(lens)
+    seq = torch.from_numpy(lens.astype(np.int32))
+    qsl = torch.arange(b + 1, dtype=torch.int32)
+    slots = torch.from_numpy((table[np.arange(b), (lens - 1) // BS] * BS + (lens - 1) % BS).astype(np.int64))
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq.to(device), num_reqs=b,
+        num_actual_tokens=b, max_query_len=1, max_seq_len=int(lens.max()),
+        block_table_tensor=torch.from_numpy(table.astype(np.int32)).to(device), slot_mapping=slots.to(device),
+        seq_lens_cpu_upper_bound=seq)
+
+
+def case_inputs(name: str, device):
+    if name == "ragged":
+        gen = np.random.default_rng(0)
+        lens = gen.integers(1024, 8193, 64)
+        need = -(-lens // BS)
+        perm = gen.permutation(int(need.sum())).astype(np.int32)
+        table = np.zeros((64, int(need.max())), np.int32)
+        at = 0
+        for i, n in enumerate(need):
+            table[i, :n] = perm[at:at + n]
+            at += n
+        nb = int(need.sum())
+    else:
+        case = build(CASES[name], torch.bfloat16, "cpu")
+        table, lens = case["table"], case["lens"]
+        nb = int(table.max()) + 1
+    torch.manual_seed(0)
+    kv = torch.randn(nb, BS, HKV, 2 * D, device=device, dtype=torch.bfloat16).transpose(1, 2)  # vLLM's LBNHC
+    q = torch.randn(len(lens), HQ, D, device=device, dtype=torch.bfloat16)
+    return table, lens, kv, q
+
+
+def run_case(name: str, device) -> dict:
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    import paged_backend as pb
+    from paged_backend.integration.vllm.backend import PagedAttentionBackend
+    table, lens, kv, q = case_inputs(name, device)
+    cfg = VllmConfig()
+    row = {"case": name, "batch": len(lens), "tokens": int(lens.sum())}
+    with set_current_vllm_config(cfg):
+        layer = Attention(HQ, D, D ** -0.5, num_kv_heads=HKV, prefix="l0", attn_backend=PagedAttentionBackend)
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16)
+        cm = vllm_step(table, lens, device)
+        out = torch.empty_like(q)
+        results = {}
+        for mode in ("flat", "cascade"):
+            os.environ["PAGED_BACKEND_CASCADE"] = "1" if mode == "cascade" else "0"
+            builder = PagedAttentionBackend.get_builder_cls()(spec, ["l0"], cfg, torch.device(device))
+            torch.cuda.synchronize()
+            build_us = C.host_time_us(lambda: builder.build(0, cm), calls=50)
+            md = builder.build(0, cm)
+            fwd = lambda md=md: layer.impl.forward(layer, q, None, None, kv, md, out)  # noqa: E731
+            fwd()
+            results[mode] = dict(build_us=build_us, attn_us=C.time_us(fwd, device), out=out.clone(),
+                                 cascade=isinstance(md.plan, pb.CascadePlan))
+            if mode == "flat":  # what a full decode CUDA graph replays
+                results[mode]["graph_us"] = C.graph_time_us([fwd])
+    f, c = results["flat"], results["cascade"]
+    err = C.rel_err(c["out"], f["out"])
+    saved = f["attn_us"] - c["attn_us"]
+    row.update(build_flat_us=f["build_us"], build_cascade_us=c["build_us"], attn_flat_us=f["attn_us"],
+               attn_flat_graph_us=f["graph_us"], attn_cascade_us=c["attn_us"], cascade_chosen=c["cascade"],
+               cascade_vs_flat_rel_err=err,
+               break_even_layers=(c["build_us"] - f["build_us"]) / saved if c["cascade"] and saved > 0 else None)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    slug = C.gpu_slug() if torch.cuda.is_available() else "cpu"
+    ap.add_argument("--out", default=os.path.join(C.ROOT, "benchmarks", "results", f"{slug}.json"))
+    ap.add_argument("--md", default=os.path.join(C.ROOT, "benchmarks", "results", f"{slug}.md"))
+    args = ap.parse_args()
+    try:
+        import vllm
+    except ImportError as e:
+        print(f"bench_vllm skipped: vLLM does not import ({C.short_error(e)}); see docs/vllm.md")
+        return
+    rows = []
+    for name in SHAPES:
+        try:
+            rows.append(run_case(name, "cuda"))
+        except Exception as e:  # recorded, never fatal
+            rows.append({"case": name, "error": C.short_error(e)})
+        print(rows[-1], flush=True)
+    C.write_json(args.out, BENCH, {"when": C.now(), "gpu": C.gpu_name(), "versions": {**C.versions(),
+                 "vllm": vllm.__version__}, "rows": rows})
+    fmt = lambda v: "-" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v))  # noqa: E731
+    keys = ["case", "batch", "build_flat_us", "build_cascade_us", "attn_flat_us", "attn_flat_graph_us",
+            "attn_cascade_us", "cascade_chosen", "break_even_layers", "cascade_vs_flat_rel_err"]
+    table = C.md_table(keys, [[fmt(r.get(k)) if k != "cascade_vs_flat_rel_err" or "error" in r
+                               else f"{r[k]:.1e}" for k in keys] for r in rows])
+    text = (f"## vLLM plug-in: per-step build and attention ({C.gpu_name()}, {C.now()}, vLLM {vllm.__version__})\n\n"
+            f"bf16, Hq {HQ}, Hkv {HKV}, D {D}, page {BS}; times in us; build = host time with the GPU idle.\n\n"
+            + table + "\n")
+    C.write_md_section(args.md, BENCH, text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Per-step attention metadata for vLLM: built once per step by vLLM's runner, read by every layer.
+
+vLLM orders a batch decodes first (``reorder_batch_threshold = 1``). The decode rows run
+``pb.paged_decode`` with a ``DecodePlan``, or ``pb.cascade_decode`` with a ``CascadePlan`` when
+rows share leading blocks (vLLM 0.33 finds no shared prefixes itself: ``common_prefix_len`` is
+always 0); the other rows run ``pb.paged_prefill``. ``build`` makes the step's plan on the host,
+once, for all the layers it serves, from ``seq_lens_cpu_upper_bound`` (the kernels clamp each
+request by its device length, so an upper bound is exact).
+
+Decode plans keep their device buffers per batch size (``plan.update`` refills them), so a
+decode-only batch can replay in a full CUDA graph (``UNIFORM_SINGLE_TOKEN_DECODE``). A cascade
+plan cannot (its buffers follow its forest): where vLLM may replay a full decode graph (full decode
+graphs on and the batch within the captured sizes), decode-only batches take the flat plan.
+A cascade plan needs the block table on the host, which vLLM's metadata does not carry: eager steps
+with two or more decode rows copy its first column from the device (a sync), and the whole table
+only when some rows share a first block (costs measured in docs/vllm.md);
+``PAGED_BACKEND_CASCADE=0`` turns cascade off.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from vllm.config import get_layers_from_vllm_config
+from vllm.config.compilation import CUDAGraphMode
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder, CommonAttentionMetadata
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+import paged_backend as pb
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """One step. Rows ``[0, num_decodes)`` are decodes (one token each), the rest prefill rows.
+
+    Device: ``seq_lens [B]``, ``block_table [B, M]``, ``prefill_query_start_loc [num_prefills + 1]``
+    (0 at the first prefill token). Host: ``prefill_query_start_loc_host`` (the same).
+    ``plan``: the decode rows' ``DecodePlan`` or ``CascadePlan`` (None without decode rows).
+    """
+    num_actual_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    prefill_query_start_loc: torch.Tensor | None
+    prefill_query_start_loc_host: np.ndarray | None
+    plan: pb.DecodePlan | pb.CascadePlan | None
+
+
+def _num_q_heads(vllm_config, layer_names: list[str]) -> int:
+    """The query heads of the builder's layers (per rank): plans are made per head count."""
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+    heads = {layer.num_heads for layer in layers.values()}
+    if len(heads) != 1:
+        raise ValueError(f"layer_names {layer_names} must name registered Attention layers with one query-head "
+                         f"count, found {sorted(heads) or 'none'}")
+    return heads.pop()
+
+
+class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1)
+        self.shape = dict(num_q_heads=_num_q_heads(vllm_config, layer_names), num_kv_heads=kv_cache_spec.num_kv_heads,
+                          head_dim=kv_cache_spec.head_size, block_size=kv_cache_spec.block_size, device=device)
+        # A cascade plan attends the lengths it was made for (a DecodePlan's kernels clamp by the
+        # device lengths): under speculative decoding vLLM's host lengths are only upper bounds.
+        self.cascade = os.environ.get("PAGED_BACKEND_CASCADE", "1") != "0" and vllm_config.speculative_config is None
+        comp = vllm_config.compilation_config
+        full_decode = (comp.cudagraph_mode or CUDAGraphMode.NONE).decode_mode() == CUDAGraphMode.FULL
+        # decode-only batches of up to this many rows may replay a full graph: flat plans only
+        self.graph_rows = (comp.max_cudagraph_capture_size or 0) if full_decode else 0
+        self._decode_plans: dict[int, pb.DecodePlan] = {}
+        self.plans_made = 0  # plans made or refilled (tests: one per step, whatever the number of layers)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> PagedAttentionMetadata:
+        cm = common_attn_metadata
+        nd, npf, ndt, _ = split_decodes_and_prefills(cm, decode_threshold=1)
+        b = cm.num_reqs
+        lens = cm.seq_lens_cpu_upper_bound
+        if lens is None:  # a runner that gives no host bound: one device-to-host copy
+            lens = cm.seq_lens[:b].cpu()
+        lens = np.asarray(lens[:b], dtype=np.int64)
+        pqsl = pqsl_host = None
+        if npf:
+            pqsl = cm.query_start_loc[nd:b + 1] - ndt
+            pqsl_host = cm.query_start_loc_cpu[nd:b + 1].numpy() - ndt
+        block_table = cm.block_table_tensor[:b]
+        plan = self._plan(block_table[:nd], lens[:nd], graphable=npf == 0 and nd <= self.graph_rows) if nd else None
+        return PagedAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens, num_decodes=nd, num_decode_tokens=ndt, num_prefills=npf,
+            seq_lens=cm.seq_lens[:b], block_table=block_table, prefill_query_start_loc=pqsl,
+            prefill_query_start_loc_host=pqsl_host, plan=plan)
+
+    def _plan(self, block_table: torch.Tensor, lens: np.ndarray, graphable: bool):
+        """A CascadePlan when decode rows share leading full blocks (and no graph may replay the
+        step), else this batch size's DecodePlan refilled for ``lens``."""
+        self.plans_made += 1
+        nd = lens.size
+        # vLLM gives no host block table: copies from the device, each a sync (see the module doc);
+        # first the first column, as rows that share no first block share nothing
+        if self.cascade and nd >= 2 and not graphable and np.unique(block_table[:, 0].cpu().numpy()).size < nd:
+            cplan = pb.plan_cascade(block_table.cpu().numpy(), lens, block_table_device=block_table, **self.shape)
+            if not cplan.is_flat:
+                return cplan
+        plan = self._decode_plans.get(nd)
+        if plan is None:
+            plan = self._decode_plans[nd] = pb.plan_decode(lens, **self.shape)
+            return plan
+        return plan.update(lens)

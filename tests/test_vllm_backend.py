@@ -1,0 +1,347 @@
+"""The vLLM plug-in (integration/vllm) through the real vLLM 0.33 classes: registration by the
+entry point, vLLM's own supports_* checks, and a step built the way vLLM's runner builds it
+(``CommonAttentionMetadata`` -> builder -> real ``Attention`` layers -> KV update and forward),
+checked against the independent fp64 dense reference for decode-only, prefill-only and mixed
+batches, with and without shared prefixes, for every supported head size and block size.
+
+vLLM is installed without its requirements (tests/install_vllm.sh); where it is missing these
+tests skip with the reason, and CI (PAGED_BACKEND_REQUIRE_VLLM=1) fails instead.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # a CPU-only host has no device vLLM can infer
+if os.environ.get("PAGED_BACKEND_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401  (CI: a missing vLLM is a failure, not a skip)
+else:
+    pytest.importorskip("vllm", reason="vLLM 0.33 is not installed: bash tests/install_vllm.sh (docs/vllm.md)")
+
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.config.compilation import CUDAGraphMode  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
+from vllm.model_executor.layers.attention import Attention  # noqa: E402
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+
+import paged_backend as pb  # noqa: E402
+from paged_backend.integration.vllm.backend import PagedAttentionBackend  # noqa: E402
+from paged_backend.integration.vllm.impl import PagedAttentionImpl  # noqa: E402
+from paged_backend.kernels.checks import HEAD_DIMS  # noqa: E402
+from reference import TOL, prefill_reference, rel_err  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("vllm")  # one worker imports vLLM (seconds), not both
+
+HQ, HKV = 4, 2
+BLOCK_SIZES = PagedAttentionBackend.get_supported_kernel_block_sizes()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture
+def vllm_config():
+    cfg = VllmConfig()
+    with set_current_vllm_config(cfg):
+        yield cfg
+
+
+def make_layers(cfg, head_size: int, num_layers: int = 1) -> list[Attention]:
+    """Real vLLM attention layers on our backend (they register in ``cfg``'s forward context)."""
+    return [Attention(HQ, head_size, 0.37 / head_size ** 0.5, num_kv_heads=HKV, prefix=f"model.layers.{i}.attn",
+                      attn_backend=PagedAttentionBackend) for i in range(num_layers)]
+
+
+class Batch:
+    """One step of a batch as vLLM's runner lays it out: decodes first, then prefill rows.
+
+    Request ``i`` has ``seq_lens[i]`` tokens after the step, its last ``query_lens[i]`` new. Rows in
+    ``share`` (lists of request indices) share their first ``shared_blocks`` blocks. The cache is
+    vLLM's per-layer ``[NB, Hkv, BS, 2D]`` view in the ``layout`` vLLM allocates (``NHD``: LBNHC,
+    vLLM's default; ``HND``: LBHNC), filled with NaN before the context is written, so a read of
+    anything outside the requests shows. ``pad_tokens`` garbage tokens (slot -1) follow the real
+    ones; with ``pad_attn`` the metadata counts them, as vLLM's runner does for a full CUDA graph
+    (whose padding requests have no tokens and length 0)."""
+
+    def __init__(self, seq_lens, query_lens, block_size, head_size, dtype=torch.float32, device="cpu",
+                 share=(), shared_blocks=0, layout="NHD", pad_tokens=0, pad_attn=False, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.seq_lens, self.query_lens, self.bs, self.d = list(seq_lens), list(query_lens), block_size, head_size
+        b = len(seq_lens)
+        nblocks = [-(-s // block_size) for s in seq_lens]
+        owner = {i: grp[0] for grp in share for i in grp}  # a sharing row's prefix blocks are its group's first
+        total = sum(nblocks) + 3
+        ids = torch.randperm(total, generator=g).tolist()  # scattered pages
+        table = torch.zeros(b, max(nblocks), dtype=torch.int32)
+        for i in range(b):
+            for j in range(nblocks[i]):
+                src = owner.get(i, i)
+                table[i, j] = table[src, j] if (src != i and j < shared_blocks) else ids.pop()
+        self.block_table = table
+        physical = (total, block_size, HKV, 2 * head_size) if layout == "NHD" else (total, HKV, block_size, 2 * head_size)
+        cache = torch.full(physical, float("nan"), dtype=dtype)
+        self.kv_cache = cache.transpose(1, 2) if layout == "NHD" else cache  # logical [NB, Hkv, BS, 2D]
+        k_cache, v_cache = self.kv_cache.transpose(1, 2).split(head_size, dim=-1)
+        # every token's K/V; the context (all but the new tokens) is written here, the new by the backend
+        self.k = [torch.randn(s, HKV, head_size, generator=g).to(dtype) for s in seq_lens]
+        self.v = [torch.randn(s, HKV, head_size, generator=g).to(dtype) for s in seq_lens]
+        for grp in share:
+            for i in grp[1:]:
+                n = min(shared_blocks * block_size, seq_lens[i])
+                self.k[i][:n], self.v[i][:n] = self.k[grp[0]][:n], self.v[grp[0]][:n]
+        slots, new_k, new_v = [], [], []
+        for i, (s, q) in enumerate(zip(seq_lens, query_lens)):
+            for p in range(s):
+                blk, row = int(table[i, p // block_size]), p % block_size
+                if p < s - q:
+                    k_cache[blk, row], v_cache[blk, row] = self.k[i][p], self.v[i][p]
+                else:
+                    slots.append(blk * block_size + row)
+            new_k.append(self.k[i][s - q:])
+            new_v.append(self.v[i][s - q:])
+        t = sum(query_lens)
+        self.num_tokens, self.num_padded = t, t + pad_tokens if pad_attn else t
+        # vLLM may pad the step's tokens (CUDA graphs): padding rows hold garbage and slot -1
+        pad = torch.full((pad_tokens, HKV, head_size), float("nan"), dtype=dtype)
+        self.key = torch.cat(new_k + [pad])
+        self.value = torch.cat(new_v + [pad])
+        self.query = torch.randn(t + pad_tokens, HQ, head_size, generator=g).to(dtype)
+        self.slot_mapping = torch.tensor(slots + [-1] * pad_tokens, dtype=torch.int64)
+        qsl = torch.zeros(b + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+        self.query_start_loc = qsl
+        for name in ("kv_cache", "block_table", "key", "value", "query", "slot_mapping"):
+            setattr(self, name, getattr(self, name).to(device))
+        self.device = device
+
+    def common_metadata(self) -> CommonAttentionMetadata:
+        """What vLLM 0.33's runner hands a builder (``_build_attention_metadata``)."""
+        seq = torch.tensor(self.seq_lens, dtype=torch.int32)
+        qsl, dev = self.query_start_loc, self.device
+        return CommonAttentionMetadata(
+            query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev), num_reqs=len(self.seq_lens),
+            num_actual_tokens=self.num_padded, max_query_len=max(self.query_lens), max_seq_len=max(self.seq_lens),
+            block_table_tensor=self.block_table, slot_mapping=self.slot_mapping, causal=True,
+            seq_lens_cpu_upper_bound=seq,
+            is_prefilling=torch.tensor([q > 1 for q in self.query_lens], device=dev),
+            positions=torch.arange(self.num_padded, device=dev))  # (unused by the backend)
+
+    def reference(self, scale: float) -> torch.Tensor:
+        """fp64 dense attention of the step's queries over each request's true K/V -> [T, Hq, D]."""
+        k_dense = torch.zeros(len(self.seq_lens), max(self.seq_lens), HKV, self.d, dtype=torch.float64)
+        v_dense = torch.zeros_like(k_dense)
+        for i, s in enumerate(self.seq_lens):
+            k_dense[i, :s], v_dense[i, :s] = self.k[i].double(), self.v[i].double()
+        m = max(self.seq_lens)
+        table = torch.arange(len(self.seq_lens) * m, dtype=torch.int32).view(-1, m)
+        o, _ = prefill_reference(self.query[:self.num_tokens].cpu(), k_dense.view(-1, 1, HKV, self.d),
+                                 v_dense.view(-1, 1, HKV, self.d), table, torch.tensor(self.seq_lens),
+                                 self.query_start_loc, causal=True, scale=scale)
+        return o
+
+    def check_written(self):
+        """The backend's KV update put the new tokens' K/V in their slots."""
+        k_cache, v_cache = self.kv_cache.transpose(1, 2).split(self.d, dim=-1)
+        n = self.num_tokens
+        sl = self.slot_mapping[:n].cpu()
+        got_k = k_cache.cpu()[sl // self.bs, sl % self.bs]
+        got_v = v_cache.cpu()[sl // self.bs, sl % self.bs]
+        assert torch.equal(got_k, self.key[:n].cpu()) and torch.equal(got_v, self.value[:n].cpu())
+
+
+def run_step(cfg, layers, batch: Batch, builder=None):
+    """Build the step's metadata once and run every layer through vLLM's forward context."""
+    spec = FullAttentionSpec(block_size=batch.bs, num_kv_heads=HKV, head_size=batch.d, dtype=batch.kv_cache.dtype)
+    names = [layer.layer_name for layer in layers]
+    if builder is None:
+        builder = PagedAttentionBackend.get_builder_cls()(spec, names, cfg, torch.device(batch.device))
+    md = builder.build(common_prefix_len=0, common_attn_metadata=batch.common_metadata())
+    outs = []
+    for layer in layers:
+        layer.kv_cache = batch.kv_cache
+        # on the CPU platform vLLM registers its attention ops for CPU tensors only; with CUDA tensors
+        # take the layer's direct call (what a platform with non-opaque attention ops does)
+        layer.use_direct_call = batch.device != "cpu"
+    with set_forward_context({n: md for n in names}, cfg, slot_mapping={n: batch.slot_mapping for n in names}):
+        for layer in layers:
+            q = batch.query.reshape(batch.query.shape[0], -1)
+            outs.append(layer(q, batch.key.reshape(q.shape[0], -1), batch.value.reshape(q.shape[0], -1)))
+    return md, builder, [o.view(-1, HQ, batch.d) for o in outs]
+
+
+def check(batch: Batch, layer, out, dtype=torch.float32):
+    batch.check_written()
+    ref = batch.reference(layer.impl.scale)
+    assert torch.isfinite(out[:batch.num_tokens]).all()
+    assert rel_err(out[:batch.num_tokens], ref) < TOL[dtype]
+
+
+# (seq_lens, query_lens) in vLLM's order: decodes, then extends (chunked prefill), then fresh prompts
+STEPS = {
+    "decode": ([37, 5, 64, 1, 18], [1, 1, 1, 1, 1]),
+    "prefill": ([20, 7, 33], [20, 7, 33]),
+    "mixed": ([40, 9, 50, 30, 17], [1, 1, 1, 12, 17]),
+}
+
+
+@pytest.mark.parametrize("kind", list(STEPS))
+@pytest.mark.parametrize("head_size", HEAD_DIMS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_step_matches_reference(vllm_config, kind, head_size, block_size):
+    seq_lens, query_lens = STEPS[kind]
+    batch = Batch(seq_lens, query_lens, block_size, head_size, layout=("NHD", "HND")[BLOCK_SIZES.index(block_size) % 2])
+    layers = make_layers(vllm_config, head_size)
+    md, _, (out,) = run_step(vllm_config, layers, batch)
+    assert md.num_decodes == sum(q == 1 for q in query_lens)
+    check(batch, layers[0], out)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kind", list(STEPS))
+def test_step_on_kernels(vllm_config, kind, layout, device):
+    """The same steps on the Triton kernels (CI: the interpreter; tests/gpu: CUDA tensors)."""
+    seq_lens, query_lens = STEPS[kind]
+    for dtype in (torch.float32, torch.bfloat16):
+        batch = Batch(seq_lens, query_lens, 16, 64, dtype=dtype, device=device, layout=layout, pad_tokens=3)
+        layers = make_layers(vllm_config, 64)
+        _, _, (out,) = run_step(vllm_config, layers, batch)
+        check(batch, layers[0], out, dtype)
+        vllm_config.compilation_config.static_forward_context.clear()
+
+
+# 16 samples of one prompt (64 shared blocks: long enough for the cascade to pay on any device)
+# decoding beside two unrelated requests, and the same with a prompt being prefilled in the step
+SAMPLES = [64 * 16 + n for n in (5, 1, 9, 16, 3, 7, 2, 11, 4, 13, 6, 8, 1, 15, 10, 12)]
+SHARED = {
+    "decode": (SAMPLES + [40, 23], [1] * 18),
+    "mixed": (SAMPLES + [40, 23], [1] * 16 + [6, 23]),
+}
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", list(SHARED))
+@pytest.mark.parametrize("cascade", [True, False])
+def test_shared_prefix(vllm_config, monkeypatch, kind, cascade, device):
+    """Decode rows that share leading blocks run as a cascade (vLLM finds no shared prefixes
+    itself); PAGED_BACKEND_CASCADE=0 gives flat decode; both match the reference."""
+    monkeypatch.setenv("PAGED_BACKEND_CASCADE", "1" if cascade else "0")
+    seq_lens, query_lens = SHARED[kind]
+    batch = Batch(seq_lens, query_lens, 16, 128, device=device, share=[list(range(16))], shared_blocks=64)
+    layers = make_layers(vllm_config, 128)
+    md, _, (out,) = run_step(vllm_config, layers, batch)
+    assert isinstance(md.plan, pb.CascadePlan if cascade else pb.DecodePlan)
+    check(batch, layers[0], out)
+
+
+def test_plan_once_per_step(vllm_config):
+    """Four layers share one plan per step; a second step of the same size refills the first's."""
+    layers = make_layers(vllm_config, 64, num_layers=4)
+    first = Batch([30, 12, 7], [1, 1, 1], 16, 64, seed=1)
+    md1, builder, outs = run_step(vllm_config, layers, first)
+    assert builder.plans_made == 1
+    for layer, out in zip(layers, outs):
+        check(first, layer, out)
+    second = Batch([31, 40, 2], [1, 1, 1], 16, 64, seed=2)
+    md2, _, outs = run_step(vllm_config, layers, second, builder)
+    assert builder.plans_made == 2 and md2.plan is md1.plan  # same device buffers (graph replays read them)
+    for layer, out in zip(layers, outs):
+        check(second, layer, out)
+
+
+def test_full_decode_graphs_take_flat_plans(vllm_config, monkeypatch):
+    """Where vLLM may replay a full decode graph, decode-only batches get the batch size's graph-safe
+    DecodePlan even when rows share a prefix; padded requests (length 0, as vLLM pads a graph's
+    batch) give zeros. Mixed batches and batches past the captured sizes still cascade."""
+    monkeypatch.setenv("PAGED_BACKEND_CASCADE", "1")
+    comp = vllm_config.compilation_config
+    comp.cudagraph_mode, comp.max_cudagraph_capture_size = CUDAGraphMode.FULL_DECODE_ONLY, 32
+    assert PagedAttentionBackend.get_builder_cls().get_cudagraph_support(vllm_config, None) == \
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    layers = make_layers(vllm_config, 128)
+    batch = Batch(SAMPLES + [0, 0], [1] * 16 + [0, 0], 16, 128, share=[list(range(16))], shared_blocks=64,
+                  pad_tokens=2, pad_attn=True)
+    md, builder, (out,) = run_step(vllm_config, layers, batch)
+    assert isinstance(md.plan, pb.DecodePlan) and md.num_decodes == 18
+    assert torch.equal(out[16:18], torch.zeros_like(out[16:18]))
+    check(batch, layers[0], out)
+    mixed = Batch(SAMPLES + [20], [1] * 16 + [20], 16, 128, share=[list(range(16))], shared_blocks=64)
+    md, _, (out,) = run_step(vllm_config, layers, mixed, builder)
+    assert isinstance(md.plan, pb.CascadePlan)
+    check(mixed, layers[0], out)
+
+
+def test_entry_point_registers_custom_backend():
+    """vLLM's plug-in loader runs our entry point: ``--attention-backend CUSTOM`` resolves to us."""
+    from importlib.metadata import entry_points
+
+    from vllm.config import AttentionConfig
+    from vllm.plugins import load_general_plugins
+    assert any(ep.value == "paged_backend.integration.vllm:register"
+               for ep in entry_points(group="vllm.general_plugins"))
+    load_general_plugins()
+    assert AttentionBackendEnum.CUSTOM.get_class() is PagedAttentionBackend
+    assert AttentionConfig(backend="custom").backend == AttentionBackendEnum.CUSTOM
+    assert PagedAttentionBackend.get_name() == "CUSTOM"
+
+
+def test_attention_layer_selects_backend(vllm_config):
+    layer = make_layers(vllm_config, 128)[0]
+    assert layer.backend == AttentionBackendEnum.CUSTOM and isinstance(layer.impl, PagedAttentionImpl)
+
+
+def _reasons(**changes) -> list[str]:
+    """What vLLM's CUDA platform asks a selected backend (``validate_configuration``)."""
+    cfg = AttentionSelectorConfig(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16)
+    cap = changes.pop("device_capability", DeviceCapability(9, 0))
+    return PagedAttentionBackend.validate_configuration(device_capability=cap, **cfg._replace(**changes)._asdict())
+
+
+def test_supported_configurations():
+    for head_size in HEAD_DIMS:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for block_size in (None, *BLOCK_SIZES, 48, 528):  # 528 = 33 kernel blocks of 16
+                assert _reasons(head_size=head_size, dtype=dtype, block_size=block_size) == []
+    assert _reasons(device_capability=DeviceCapability(8, 0)) == []
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(head_size=32), "head_size"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
+    (dict(has_sink=True), "sink"),
+    (dict(has_sliding_window=True), "sliding window"),
+    (dict(use_mla=True), "MLA"),
+    (dict(use_sparse=True), "sparse"),
+    (dict(use_non_causal=True), "non-causal"),
+    (dict(use_batch_invariant=True), "batch invariance"),
+    (dict(attn_type=AttentionType.ENCODER_ONLY), "attention type"),
+    (dict(use_dcp=True), "DCP"),
+    (dict(use_adaptive_verification=True), "query lens mismatch"),
+    (dict(use_pcp=True), "PCP"),
+    (dict(use_mm_prefix=True), "multimodal"),
+    (dict(use_per_head_quant_scales=True), "per-head quant"),
+    (dict(device_capability=DeviceCapability(7, 5)), "compute capability"),
+])
+def test_unsupported_configurations_refused(change, words):
+    reasons = _reasons(**change)
+    assert reasons and words.lower() in " ".join(reasons).lower(), reasons
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(sliding_window=4096), "sliding window"),
+    (dict(logits_soft_cap=30.0), "soft-capping"),
+    (dict(alibi_slopes=[0.5, 0.25, 0.125, 0.0625]), "ALiBi"),
+    (dict(kv_cache_dtype="fp8_e4m3"), "fp8_e4m3"),
+    (dict(attn_type=AttentionType.ENCODER_DECODER), "attention type"),
+    (dict(sinks=torch.zeros(HQ)), "sinks"),
+])
+def test_impl_refuses_features(kwargs, words):
+    """Direct use of the impl (vLLM's checks come first) refuses what it cannot run, by name."""
+    with pytest.raises(NotImplementedError, match=words):
+        PagedAttentionImpl(HQ, 128, 128 ** -0.5, HKV, **kwargs)
