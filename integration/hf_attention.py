@@ -30,18 +30,18 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                            "model with paged_step=<Step> (see paged_backend.integration.step), or use LLM(...)")
     # Never run a feature we lack: refuse it (a window no sequence of the step outgrows cuts nothing).
     window = kwargs.get("sliding_window")
-    for name, asked in (("sliding_window", None if window is None or window >= step.max_seq_len else window),
-                        ("softcap", kwargs.get("softcap")), ("s_aux", kwargs.get("s_aux"))):
-        if asked is not None:
-            raise NotImplementedError(f"{type(module).__name__} (layer {module.layer_idx}) asks for {name}="
-                                      f"{asked!r}, which the paged backend does not support yet")
+    if window is not None and window < step.max_seq_len:
+        raise NotImplementedError(f"{type(module).__name__} (layer {module.layer_idx}) asks for sliding_window="
+                                  f"{window!r}, which the paged backend does not support yet")
     if kwargs.get("is_causal", True) is False or attention_mask is not None:
         raise NotImplementedError(f"{type(module).__name__} (layer {module.layer_idx}) asks for a non-causal or "
                                   "masked attention; the paged backend runs causal attention over packed rows")
+    sinks = kwargs.get("s_aux")
     if query.shape[0] != 1:
         raise ValueError(f"query must pack every row into one batch row ([1, Hq, T, D]), got {tuple(query.shape)}")
     out = step.attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                      scaling)
+                      scaling, softcap=kwargs.get("softcap"),  # (Gemma 2's logit soft-capping, or None)
+                      sinks=None if sinks is None else sinks.float())  # gpt-oss's per-head sinks
     return out.unsqueeze(0), None
 
 
@@ -77,17 +77,13 @@ def unsupported_features(model: torch.nn.Module, max_model_len: int) -> list[str
         found.append(f"{type(model).__name__} does not route attention through transformers' AttentionInterface")
     if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
         found.append("cross-attention (encoder-decoder)")
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        found.append(f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})")
     if getattr(config, "alibi", False) or getattr(config, "position_embedding_type", None) == "alibi":
         found.append("ALiBi position biases")
     other = sorted({t for t in getattr(config, "layer_types", None) or ()
                     if t not in ("full_attention", "sliding_attention")})
     if other:
         found.append(f"layer types {other}")
-    sinks = False
     for m in attention_modules(model):
-        sinks = sinks or isinstance(getattr(m, "sinks", None), torch.Tensor)
         if getattr(m, "is_causal", True) is False:
             found.append(f"non-causal attention ({type(m).__name__})")
             break
@@ -95,6 +91,4 @@ def unsupported_features(model: torch.nn.Module, max_model_len: int) -> list[str
     if windows:
         found.append(f"sliding-window attention (window {min(windows)} < max_model_len {max_model_len}; "
                      f"max_model_len <= {min(windows)} would run it exactly)")
-    if sinks:
-        found.append("attention sinks")
     return found

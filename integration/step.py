@@ -49,9 +49,11 @@ class Step:
     query_start_loc_cpu: np.ndarray = field(default=None, repr=False)
     attend_events: list | None = field(default=None, repr=False)  # profiling: (start, end) CUDA events per layer
 
-    def attend(self, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None):
+    def attend(self, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+               softcap: float | None = None, sinks: torch.Tensor | None = None):
         """Writes this step's new K/V of ``layer`` and returns the attention of ``q``: q [T, Hq, D],
-        key/value [T, Hkv, D] (any strides) -> out [T, Hq, D]."""
+        key/value [T, Hkv, D] (any strides) -> out [T, Hq, D]. ``softcap``, ``sinks [Hq]`` fp32: logit
+        soft-capping and attention sinks (None: none)."""
         if self.attend_events is not None:
             ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             ev[0].record()
@@ -60,13 +62,15 @@ class Step:
         pb.write_kv(key, value, k_cache, v_cache, self.slot_mapping)
         if self.kind == DECODE:
             out = pb.paged_decode(q, k_cache, v_cache, self.block_table, self.seq_lens, scale=scale, plan=self.plan,
-                                  return_lse=False)
+                                  return_lse=False, softcap=softcap, sinks=sinks)
         elif self.kind == CASCADE:
-            out = pb.cascade_decode(q, k_cache, v_cache, self.plan, return_lse=False, scale=scale)
+            out = pb.cascade_decode(q, k_cache, v_cache, self.plan, return_lse=False, scale=scale, softcap=softcap,
+                                    sinks=sinks)
         else:
             out = pb.paged_prefill(q, k_cache, v_cache, self.block_table, self.seq_lens, self.query_start_loc,
                                    causal=True, return_lse=False, scale=scale,
-                                   query_start_loc_cpu=self.query_start_loc_cpu, seq_lens_cpu=self.seq_lens_cpu)
+                                   query_start_loc_cpu=self.query_start_loc_cpu, seq_lens_cpu=self.seq_lens_cpu,
+                                   softcap=softcap, sinks=sinks)
         if self.attend_events is not None:
             self.attend_events[-1][1].record()
         return out

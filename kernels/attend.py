@@ -1,16 +1,57 @@
 """Device helpers shared by the paged attention kernels (decode, cascade nodes).
 
 Scores live in the exp2 domain (``qk_scale = scale * log2(e)``); the state a kernel stores is
-converted back to natural log by :func:`finish_state`.
+converted back to natural log by :func:`finish_state`. Logit soft-capping (``SOFTCAP``) maps a
+score ``x = scale * q.k`` to ``softcap * tanh(x / softcap)``; kernels take ``cap = softcap * log2(e)``.
 """
+import torch
 import triton
 import triton.language as tl
 
+LOG2E = 1.4426950408889634
+
+
+def fast_tanh(q: torch.Tensor) -> bool:
+    """Whether kernels soft-cap with the hardware tanh: half-precision inputs on a GPU (fp32 keeps
+    the exact formula, and the interpreter has no PTX)."""
+    return q.is_cuda and q.dtype != torch.float32
+
+
+def soft_cap(s: torch.Tensor, softcap: float) -> torch.Tensor:
+    """The torch paths' soft-capping of natural-log scores (``softcap`` 0: none)."""
+    return softcap * torch.tanh(s / softcap) if softcap > 0 else s
+
+
+def sink_states(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> None:
+    """The torch paths' attention sinks, in place: ``o [N, Hq, D]``, ``lse [N, Hq]`` fp32 (ln) of
+    a row's keys -> the state whose softmax denominator also holds ``exp(sinks[h])`` (a key of
+    logit ``sinks[h]`` and value 0)."""
+    if sinks is not None:
+        new = torch.logaddexp(lse, sinks.float())  # the sink is finite: an empty row gets lse = sink
+        o.copy_(o.float() * torch.exp(lse - new)[..., None])
+        lse.copy_(new)
+
 
 @triton.jit
-def attend_paged_tile(q, m_i, l_i, acc, k_ptr, v_ptr, page, tok, end, kvh, offs_d, d_ok, qk_scale,
+def scale_scores(s, qk_scale, cap, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
+    """Raw ``q.k`` -> exp2-domain scores, soft-capped when ``SOFTCAP`` (``cap = softcap * log2(e)``).
+    ``FAST_TANH`` (fp16/bf16 on a GPU): the hardware's ``tanh.approx`` (relative error ~2^-11, below
+    half-precision inputs' own), one instruction instead of an exp2 and a division."""
+    if SOFTCAP:
+        x = s * (qk_scale / cap)
+        if FAST_TANH:
+            return cap * tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                                   is_pure=True, pack=1)
+        # cap * tanh(x) with tanh(x) = 1 - 2 / (e^(2x) + 1): exp2 only (the interpreter has no
+        # tanh), and it saturates to +-cap for large |x| (e^(2x) -> inf or 0)
+        return cap - 2.0 * cap / (tl.exp2(x * 2.8853900817779268) + 1.0)
+    return s * qk_scale
+
+
+@triton.jit
+def attend_paged_tile(q, m_i, l_i, acc, k_ptr, v_ptr, page, tok, end, kvh, offs_d, d_ok, qk_scale, cap,
                       stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
-                      BS: tl.constexpr, IEEE: tl.constexpr):
+                      BS: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
     """One online-softmax step of the rows ``q [M, BLOCK_D]`` over the tokens ``tok [N]`` whose
     pages are ``page [N]`` (any cache strides); tokens >= ``end`` are masked. The tile must hold
     at least one live token, so the running max is finite after the first step.
@@ -25,7 +66,7 @@ def attend_paged_tile(q, m_i, l_i, acc, k_ptr, v_ptr, page, tok, end, kvh, offs_
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))  # [M, N]
+    s = tl.where(t_ok[None, :], scale_scores(s, qk_scale, cap, SOFTCAP, FAST_TANH), float("-inf"))  # [M, N]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     pr = tl.exp2(s - m_new[:, None])
@@ -40,10 +81,11 @@ def attend_paged_tile(q, m_i, l_i, acc, k_ptr, v_ptr, page, tok, end, kvh, offs_
 
 
 @triton.jit
-def attend_paged_range(q, k_ptr, v_ptr, bt_row, start, end, bt_end, kvh, offs_d, d_ok, qk_scale,
+def attend_paged_range(q, k_ptr, v_ptr, bt_row, start, end, bt_end, kvh, offs_d, d_ok, qk_scale, cap,
                        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
                        stride_btn, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+                       BLOCK_D: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr,
+                       FAST_TANH: tl.constexpr):
     """Attention of the rows ``q [BLOCK_M, BLOCK_D]`` over tokens ``[start, end)`` of one sequence,
     whose pages are in the block-table row ``bt_row``, ``BLOCK_N`` tokens a step. Page ids are read
     for tokens below ``bt_end >= end`` (within the row): a bound known before ``end`` is, so the
@@ -62,10 +104,18 @@ def attend_paged_range(q, k_ptr, v_ptr, bt_row, start, end, bt_end, kvh, offs_d,
         nxt = tok + BLOCK_N
         page_next = tl.load(bt_row + (nxt // BS) * stride_btn, mask=nxt < bt_end, other=0)
         m_i, l_i, acc = attend_paged_tile(q, m_i, l_i, acc, k_ptr, v_ptr, page, tok, end, kvh, offs_d, d_ok,
-                                          qk_scale, stride_kb, stride_ks, stride_kh, stride_kd,
-                                          stride_vb, stride_vs, stride_vh, stride_vd, BS, IEEE)
+                                          qk_scale, cap, stride_kb, stride_ks, stride_kh, stride_kd,
+                                          stride_vb, stride_vs, stride_vh, stride_vd, BS, IEEE, SOFTCAP, FAST_TANH)
         page = page_next
     return finish_state(m_i, l_i, acc)
+
+
+@triton.jit
+def add_sink(o, lse, sink):
+    """(o [M, D], lse [M] ln) -> the state with ``exp(sink [M])`` added to its softmax denominator
+    (a key of logit ``sink`` and value 0); an empty row (lse -inf) gives o = 0, lse = sink."""
+    new = tl.maximum(lse, sink) + tl.log(1.0 + tl.exp(-tl.abs(lse - sink)))  # logaddexp, sink finite
+    return o * tl.exp(lse - new)[:, None], new
 
 
 @triton.jit

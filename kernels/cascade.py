@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from paged_backend.kernels.attend import attend_paged_range
+from paged_backend.kernels.attend import LOG2E, attend_paged_range, fast_tanh, sink_states, soft_cap
 from paged_backend.kernels.decode import call_key, fold_states, remember, run_pieces
 from paged_backend.kernels.dispatch import use_pdl
 from paged_backend.kernels.launch import launch, pow2, replay_stream
@@ -40,7 +40,7 @@ _NODE_WARPS = {16: 4, 32: 4, 64: 4, 128: 8, 256: 16}
 @triton.jit
 def _cascade_node_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, members_ptr, work_ptr, prog_ptr, po_ptr, plse_ptr,
-    sm_scale,
+    sm_scale, cap,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -49,7 +49,7 @@ def _cascade_node_kernel(
     stride_plp, stride_plh,
     GROUP: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr,
+    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # the tails (and the merge) may launch now: they wait for this grid where they must
         gdc_launch_dependents()
@@ -78,17 +78,18 @@ def _cascade_node_kernel(
         q = tl.load(q_ptr + req[:, None] * stride_qb + qh[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         o, lse = attend_paged_range(q, k_ptr, v_ptr, bt_ptr + rep * stride_btb, start, end, end, kvh, offs_d, d_ok,
-                                    qk_scale, stride_kb, stride_ks, stride_kh, stride_kd,
+                                    qk_scale, cap, stride_kb, stride_ks, stride_kh, stride_kd,
                                     stride_vb, stride_vs, stride_vh, stride_vd, stride_btn,
-                                    BS, BLOCK_M, BLOCK_N, BLOCK_D, IEEE)
+                                    BS, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, SOFTCAP, FAST_TANH)
         slot = (slot_base + mem).to(tl.int64)
         tl.store(po_ptr + slot[:, None] * stride_pop + hh[:, None] * stride_poh + offs_d[None, :] * stride_pod,
                  o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(plse_ptr + slot * stride_plp + hh * stride_plh, lse, mask=row_ok)
 
 
-def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
-    """q [B, Hq, D]; caches [NB, BS, Hkv, D]; a non-flat CascadePlan; writes out [B, Hq, D], lse [B, Hq]."""
+def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: float = 0.0, sinks=None):
+    """q [B, Hq, D]; caches [NB, BS, Hkv, D]; a non-flat CascadePlan; writes out [B, Hq, D], lse [B, Hq].
+    ``softcap`` > 0: scores soft-capped (0: none); ``sinks [Hq]`` fp32 or None."""
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -108,7 +109,8 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
     # the plan's launchers are called directly. Only the one-stream order is kept.
     relaunches = None
     if one_stream:
-        key, ptrs = call_key((q, k_cache, v_cache, bt, sl, out, lse), scale, pdl)  # (bt, sl: the plan's)
+        key, ptrs = call_key((q, k_cache, v_cache, bt, sl, out, lse), scale, softcap, pdl,  # (bt, sl: the plan's)
+                             sinks is not None and sinks.data_ptr())
         relaunches = plan.launches.get(key)
     if relaunches is not None:
         stream = replay_stream(relaunches)
@@ -126,15 +128,16 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
         bound = launch(
             _cascade_node_kernel, (plan.node_programs,),
             q, k_cache, v_cache, bt, v["members"], v["node_work"], v["node_prog_ptr"], po, plse, scale,
-            *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(), *po.stride(), *plse.stride(),
+            softcap * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(), *po.stride(),
+            *plse.stride(),
             GROUP=group, GP=gp, BS=bs, D=d, BLOCK_M=bm, BLOCK_N=plan.node_block_n, BLOCK_D=block_d, IEEE=ieee,
-            PDL=pdl, num_warps=_NODE_WARPS[bm], num_stages=3,
+            SOFTCAP=softcap > 0, FAST_TANH=fast_tanh(q), PDL=pdl, num_warps=_NODE_WARPS[bm], num_stages=3,
         )
         return bound and bound.lead(3)
 
     def tails(beside_prior=False):  # private tails: decode pieces that only write partial states
         return run_pieces(q, k_cache, v_cache, bt, sl, out, lse, po, plse, v["leaf_work"], v["leaf_prog_ptr"],
-                          plan.leaf_programs, plan.block_n, scale, pdl, beside_prior=beside_prior)
+                          plan.leaf_programs, plan.block_n, scale, pdl, beside_prior=beside_prior, softcap=softcap)
 
     if one_stream:
         # With PDL the tails start during the node kernel (they write other slots) and end after
@@ -156,7 +159,8 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse):
         tails()
         main.wait_stream(plan.side_stream)
     # Per (request, kv_head): its slots, parents first and the tail last (fixed order).
-    fold = fold_states(v["req_ptr"], po, plse, out, lse, hkv, pdl, slots=v["slots"], max_len=plan.max_merge_len)
+    fold = fold_states(v["req_ptr"], po, plse, out, lse, hkv, pdl, slots=v["slots"], max_len=plan.max_merge_len,
+                       sinks=sinks)
     if one_stream:
         remember(plan.launches, key, (*relaunches, fold))
 
@@ -174,14 +178,14 @@ def _merge_into(run_lse, run_o, idx, lse, o):
     run_lse[idx] = torch.where(empty, torch.full_like(m, float("-inf")), m_safe + torch.log(den))
 
 
-def _attend(qg, k, v, live, scale):
+def _attend(qg, k, v, live, scale, softcap):
     """qg [n, Hkv, g, D], k/v [n or 1, L, Hkv, D], live [n or 1, L] -> lse [n, Hkv*g], o [n, Hkv*g, D].
     The values of slots that are not live are zeroed first (in place: fresh gathers): they may hold
     NaN, and a zero weight times NaN is NaN. Their scores are masked."""
     if not live.all():
         v[~live.expand(v.shape[0], -1)] = 0.0
     s = torch.einsum("nhgd,mlhd->nhgl", qg, k) if k.shape[0] == 1 else torch.einsum("nhgd,nlhd->nhgl", qg, k)
-    s = (s * scale).masked_fill(~live[:, None, None, :], float("-inf"))
+    s = soft_cap(s * scale, softcap).masked_fill(~live[:, None, None, :], float("-inf"))
     l_ = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - l_.nan_to_num(neginf=0.0)[..., None])
     o = torch.einsum("nhgl,mlhd->nhgd", p, v) if v.shape[0] == 1 else torch.einsum("nhgl,nlhd->nhgd", p, v)
@@ -189,7 +193,7 @@ def _attend(qg, k, v, live, scale):
     return l_.reshape(n, -1), o.reshape(n, -1, qg.shape[-1])
 
 
-def cascade_torch(q, k_cache, v_cache, plan, scale: float, out, lse):
+def cascade_torch(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: float = 0.0, sinks=None):
     """Vectorised torch version (CPU tensors), through the plan's node/tail decomposition: each
     node's K/V is gathered once and attended by all its requests; tails are gathered per request."""
     b, hq, d = q.shape
@@ -205,7 +209,7 @@ def cascade_torch(q, k_cache, v_cache, plan, scale: float, out, lse):
         k = k_cache[pages].flatten(0, 1).float()[None]  # [1, L, Hkv, D]
         vv = v_cache[pages].flatten(0, 1).float()[None]
         live = torch.ones(1, t1 - t0, dtype=torch.bool)
-        l_, o = _attend(qf[mem].view(-1, hkv, group, d), k, vv, live, scale)
+        l_, o = _attend(qf[mem].view(-1, hkv, group, d), k, vv, live, scale, softcap)
         _merge_into(run_lse, run_o, mem, l_, o)
     starts = torch.from_numpy(plan.shared_len_host.astype("int64"))
     lens = torch.from_numpy(plan.seq_lens_host.astype("int64"))
@@ -222,7 +226,8 @@ def cascade_torch(q, k_cache, v_cache, plan, scale: float, out, lse):
             rows = torch.where(live, pos % bs, 0)
             k = k_cache[pages, rows].float()  # [n, T, Hkv, D]
             vv = v_cache[pages, rows].float()
-            l_, o = _attend(qf[c:c + per].view(-1, hkv, group, d), k, vv, live, scale)
+            l_, o = _attend(qf[c:c + per].view(-1, hkv, group, d), k, vv, live, scale, softcap)
             _merge_into(run_lse, run_o, torch.arange(c, c + l_.shape[0]), l_, o)
+    sink_states(run_o, run_lse, sinks)
     out.copy_(run_o.to(out.dtype))
     lse.copy_(run_lse)

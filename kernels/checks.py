@@ -68,15 +68,34 @@ def check_heads(num_q_heads: int, num_kv_heads: int) -> int:
     return num_q_heads // num_kv_heads
 
 
+def check_softcap(softcap) -> float:
+    """``softcap`` None (no capping) or a finite float > 0 -> the float the kernels take (0: none)."""
+    return 0.0 if softcap is None else _positive_float("softcap", softcap, " (or None for no capping)")
+
+
+def check_sinks(sinks, num_q_heads: int, device) -> torch.Tensor | None:
+    """``sinks``: None, or ``[Hq]`` float32 logits on ``device``, one per query head (stride 1).
+    Values are not read (no sync); a non-finite sink gives non-finite results."""
+    if sinks is None:
+        return None
+    check_tensor("sinks", sinks, ndim=1, dtypes=(torch.float32,), device=device)
+    check_shape("sinks", sinks, (num_q_heads,))
+    if num_q_heads > 1 and sinks.stride(0) != 1:
+        raise ValueError(f"sinks must be contiguous (stride 1), got stride {sinks.stride(0)}")
+    return sinks
+
+
 def check_scale(scale, head_dim: int) -> float:
-    if scale is None:
-        return head_dim ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    scale = float(scale)
-    if not (scale > 0.0 and scale < float("inf")):
-        raise ValueError(f"scale must be positive and finite, got {scale}")
-    return scale
+    return head_dim ** -0.5 if scale is None else _positive_float("scale", scale)
+
+
+def _positive_float(name: str, val, alternative: str = "") -> float:
+    if isinstance(val, bool) or not isinstance(val, (int, float)):
+        raise TypeError(f"{name} must be a float or None, got {type(val).__name__}")
+    val = float(val)
+    if not (val > 0.0 and val < float("inf")):
+        raise ValueError(f"{name} must be positive and finite{alternative}, got {val}")
+    return val
 
 
 def check_block_table(block_table, seq_lens, num_blocks: int, block_size: int, batch: int,

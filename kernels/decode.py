@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from paged_backend.kernels.attend import attend_paged_range
+from paged_backend.kernels.attend import LOG2E, add_sink, attend_paged_range, fast_tanh, sink_states, soft_cap
 from paged_backend.kernels.dispatch import num_sms, use_pdl
 from paged_backend.kernels.launch import Relaunch, launch, pow2, replay_stream
 
@@ -22,8 +22,8 @@ from paged_backend.kernels.launch import Relaunch, launch, pow2, replay_stream
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,  # a call's own tensors first (run_pieces)
-    work_ptr, prog_ptr, po_ptr, plse_ptr,
-    sm_scale, max_tokens,
+    work_ptr, prog_ptr, po_ptr, plse_ptr, sinks_ptr,
+    sm_scale, cap, max_tokens,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -34,7 +34,8 @@ def _decode_kernel(
     stride_plp, stride_plh,
     GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr, WAIT_AT_END: tl.constexpr,
+    IEEE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr,
+    WAIT_AT_END: tl.constexpr,
 ):
     if PDL:  # let the fold kernel launch now; it waits for this grid's writes (gdc_wait)
         gdc_launch_dependents()
@@ -61,11 +62,13 @@ def _decode_kernel(
         q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                     mask=h_ok[:, None] & d_ok[None, :], other=0.0)
         o, lse = attend_paged_range(q, k_ptr, v_ptr, bt_ptr + b * stride_btb, start, end, bt_end, kvh, offs_d, d_ok,
-                                    qk_scale, stride_kb, stride_ks, stride_kh, stride_kd,
+                                    qk_scale, cap, stride_kb, stride_ks, stride_kh, stride_kd,
                                     stride_vb, stride_vs, stride_vh, stride_vd, stride_btn,
-                                    BS, BLOCK_H, BLOCK_N, BLOCK_D, IEEE)
+                                    BS, BLOCK_H, BLOCK_N, BLOCK_D, IEEE, SOFTCAP, FAST_TANH)
         o_mask = h_ok[:, None] & d_ok[None, :]
         if slot < 0:  # the segment's only piece: write the output itself
+            if SINKS:
+                o, lse = add_sink(o, lse, tl.load(sinks_ptr + qh, mask=h_ok, other=0.0))
             tl.store(out_ptr + b * stride_ob + qh[:, None] * stride_oh + offs_d[None, :] * stride_od,
                      o.to(out_ptr.dtype.element_ty), mask=o_mask)
             tl.store(lse_ptr + b * stride_lb + qh * stride_lh, lse, mask=h_ok)
@@ -80,11 +83,11 @@ def _decode_kernel(
 
 @triton.jit
 def _fold_states_kernel(
-    out_ptr, lse_ptr, list_ptr, slots_ptr, po_ptr, plse_ptr, HKV,
+    out_ptr, lse_ptr, list_ptr, slots_ptr, po_ptr, plse_ptr, sinks_ptr, HKV,
     stride_pop, stride_poh, stride_pod, stride_plp, stride_plh,
     stride_ob, stride_oh, stride_od, stride_lb, stride_lh,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-    INDIRECT: tl.constexpr, SKIP_SINGLE: tl.constexpr, PDL: tl.constexpr,
+    INDIRECT: tl.constexpr, SKIP_SINGLE: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (s = request * HKV + kv_head, query head h of the group, column block c): folds the
     # partial states of entries list[s]..list[s+1] in list order (deterministic) into out/lse, for
@@ -130,6 +133,9 @@ def _fold_states_kernel(
         lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, w_sum)))
         b = (s // HKV).to(tl.int64)
         qh = (s % HKV).to(tl.int64) * GROUP + h
+        if SINKS:
+            o2, lse = add_sink(o[None, :], lse, tl.load(sinks_ptr + qh + tl.arange(0, 1)))
+            o = tl.reshape(o2, [BLOCK_D])
         tl.store(out_ptr + b * stride_ob + qh * stride_oh + offs_d * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=d_ok)
         if c == 0:
@@ -138,7 +144,7 @@ def _fold_states_kernel(
 
 def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, partial_lse, work, prog_ptr,
                num_programs: int, block_n: int, scale: float, pdl: bool, num_warps: int = 4, num_stages: int = 3,
-               beside_prior: bool = False) -> Relaunch | None:
+               beside_prior: bool = False, softcap: float = 0.0, sinks=None) -> Relaunch | None:
     """Launches ``num_programs`` programs over decode pieces ``work [P, 5] int32`` (request, kv_head,
     token_start, token_end, slot). A piece with slot < 0 writes ``out``/``lse`` rows; one with a
     slot writes ``partial_o [P, group, D]``/``partial_lse [P, group]`` fp32. Tuned on an H200.
@@ -146,27 +152,29 @@ def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, 
     neither feeds nor reads these pieces, so they start while it runs and the grid ends only after
     it. (Launching a decode early and waiting for the previous kernel before reading q was slower
     everywhere on an H100.) -> this launch again for new ``(q, k_cache, v_cache, block_table,
-    seq_lens, out, lse)``, where it can go direct."""
+    seq_lens, out, lse)``, where it can go direct. ``softcap`` > 0 soft-caps the scores; ``sinks [Hq]``
+    fp32 (or None) are added to the denominators of the states written to ``out``/``lse``."""
     hq, d = q.shape[1], q.shape[2]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     beside_prior = beside_prior and pdl
     bound = launch(
         _decode_kernel, (num_programs,), q, k_cache, v_cache, block_table, seq_lens, out, lse,
-        work, prog_ptr, partial_o, partial_lse,
-        scale, block_table.shape[1] * bs,
+        work, prog_ptr, partial_o, partial_lse, lse if sinks is None else sinks,
+        scale, softcap * LOG2E, block_table.shape[1] * bs,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *seq_lens.stride(), *out.stride(),
         *lse.stride(), *partial_o.stride(), *partial_lse.stride(),
         GROUP=group, BS=bs, D=d, BLOCK_H=max(16, pow2(group)),  # tl.dot needs M >= 16
         BLOCK_N=block_n, BLOCK_D=pow2(d),
-        IEEE=q.dtype == torch.float32, PDL=pdl, WAIT_AT_END=beside_prior, num_warps=num_warps,
+        IEEE=q.dtype == torch.float32, SOFTCAP=softcap > 0, FAST_TANH=fast_tanh(q), SINKS=sinks is not None,
+        PDL=pdl, WAIT_AT_END=beside_prior, num_warps=num_warps,
         num_stages=num_stages, **({"launch_pdl": True} if beside_prior else {}),
     )
     return bound and bound.lead(7)
 
 
 def fold_states(lists, partial_o, partial_lse, out, lse, num_kv_heads: int, pdl: bool, slots=None,
-                skip_single: bool = False, max_len: int = 64) -> Relaunch | None:
+                skip_single: bool = False, max_len: int = 64, sinks=None) -> Relaunch | None:
     """Merges, per (request, kv_head) ``s``, the partial states ``lists[s]..lists[s+1]``
     (``lists [B * Hkv + 1]`` int32; entries are slots of ``partial_o [P, group, D]`` /
     ``partial_lse [P, group]``, or indices into ``slots`` when given) in order into
@@ -188,10 +196,11 @@ def fold_states(lists, partial_o, partial_lse, out, lse, num_kv_heads: int, pdl:
         split *= 2
     bound = launch(
         _fold_states_kernel, (b * num_kv_heads, hq // num_kv_heads, split),
-        out, lse, lists, lists if slots is None else slots, partial_o, partial_lse, num_kv_heads,
+        out, lse, lists, lists if slots is None else slots, partial_o, partial_lse,
+        lse if sinks is None else sinks, num_kv_heads,
         *partial_o.stride(), *partial_lse.stride(), *out.stride(), *lse.stride(),
         GROUP=hq // num_kv_heads, D=d, BLOCK_P=block_p, BLOCK_D=pow2(d) // split,
-        INDIRECT=slots is not None, SKIP_SINGLE=skip_single, PDL=pdl,
+        INDIRECT=slots is not None, SKIP_SINGLE=skip_single, SINKS=sinks is not None, PDL=pdl,
         num_warps=4 if block_p >= 32 else 2, num_stages=1, **({"launch_pdl": True} if pdl else {}),
     )
     return bound and bound.lead(2)
@@ -214,15 +223,17 @@ def remember(launches: dict, key: tuple, relaunches: tuple) -> None:
         launches[key] = relaunches
 
 
-def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float, out, lse):
-    """q [B, Hq, D]; caches [NB, BS, Hkv, D]; writes out [B, Hq, D] and lse [B, Hq] (fp32, ln)."""
+def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float, out, lse, softcap: float = 0.0,
+                  sinks=None):
+    """q [B, Hq, D]; caches [NB, BS, Hkv, D]; writes out [B, Hq, D] and lse [B, Hq] (fp32, ln).
+    ``softcap`` > 0: scores soft-capped (0: none); ``sinks [Hq]`` fp32 or None."""
     if q.shape[0] == 0:
         return
     pdl = use_pdl(q.device)
     # The plan's launches for this call signature: after the first call, each layer and step
     # calls the two launchers directly (an eager call is host-bound for small batches).
-    key, ptrs = call_key((q, k_cache, v_cache, block_table, seq_lens, out, lse), scale, pdl,
-                         block_table.shape[1], plan.whole)
+    key, ptrs = call_key((q, k_cache, v_cache, block_table, seq_lens, out, lse), scale, softcap, pdl,
+                         block_table.shape[1], plan.whole, sinks is not None and sinks.data_ptr())
     relaunches = plan.launches.get(key)
     if relaunches is not None:
         stream = replay_stream(relaunches)
@@ -233,16 +244,18 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
             return
     tile_n, stages = plan.kernel_tile
     decode = run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan.partial_o, plan.partial_lse,
-                        plan.work, plan.prog_ptr, plan.num_programs, tile_n, scale, pdl, num_stages=stages)
+                        plan.work, plan.prog_ptr, plan.num_programs, tile_n, scale, pdl, num_stages=stages,
+                        softcap=softcap, sinks=sinks)
     # A segment of one piece wrote out/lse itself; split segments are folded in piece order. A
     # stream-K run of G programs over S segments gives each at most ~G/S + 2 pieces.
     segments = q.shape[0] * k_cache.shape[2]
     fold = fold_states(plan.seg_ptr, plan.partial_o, plan.partial_lse, out, lse, k_cache.shape[2], pdl,
-                       skip_single=True, max_len=-(-plan.num_programs // segments) + 2)
+                       skip_single=True, max_len=-(-plan.num_programs // segments) + 2, sinks=sinks)
     remember(plan.launches, key, (decode, fold))
 
 
-def decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float, out, lse):
+def decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float, out, lse, softcap: float = 0.0,
+                 sinks=None):
     """Vectorised torch version (CPU tensors): gathers pages a few requests at a time."""
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -262,10 +275,11 @@ def decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float, out, 
         # masked below, but a zero weight times a NaN value is NaN, so those values are zeroed.
         v[~live] = 0.0
         qg = q[c:c + per].float().view(-1, hkv, group, d)
-        s = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
+        s = soft_cap(torch.einsum("bhgd,blhd->bhgl", qg, k) * scale, softcap)
         s = s.masked_fill(~live[:, None, None, :], float("-inf"))
         l_ = torch.logsumexp(s, dim=-1)  # [b, Hkv, g]
         p = torch.exp(s - l_.nan_to_num(neginf=0.0)[..., None])  # empty rows: exp(-inf) = 0
-        o = torch.einsum("bhgl,blhd->bhgd", p, v)
-        out[c:c + per] = o.reshape(-1, hq, d).to(out.dtype)
-        lse[c:c + per] = l_.reshape(-1, hq)
+        o, l_ = torch.einsum("bhgl,blhd->bhgd", p, v).reshape(-1, hq, d), l_.reshape(-1, hq)
+        sink_states(o, l_, sinks)
+        out[c:c + per] = o.to(out.dtype)
+        lse[c:c + per] = l_

@@ -27,14 +27,17 @@ import torch
 import triton
 import triton.language as tl
 
+from paged_backend.kernels.attend import LOG2E, add_sink, fast_tanh, scale_scores, sink_states, soft_cap
+
 
 @triton.jit
 def _prefill_kv_tile(
-    acc, l_i, m_i, q, k_ptr, v_ptr, bt_row_ptr, n0, hi, pos, qk_scale,
+    acc, l_i, m_i, q, k_ptr, v_ptr, bt_row_ptr, n0, hi, pos, qk_scale, cap,
     kvh, stride_btn, stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     offs_n, offs_d, d_ok,
     BS: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
 ):
     """One BLOCK_N tile of keys ``n0 ..`` folded into the running state (exp2 domain)."""
     tok = n0 + offs_n
@@ -56,7 +59,7 @@ def _prefill_kv_tile(
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale  # [BLOCK_M, BLOCK_N]
+    s = scale_scores(s, qk_scale, cap, SOFTCAP, FAST_TANH)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         if CAUSAL:
             ok = (tok[None, :] <= pos[:, None]) & t_ok[None, :]
@@ -83,8 +86,8 @@ def _prefill_kv_tile(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr,
-    sm_scale, num_tokens, batch, max_tokens,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr, sinks_ptr,
+    sm_scale, cap, num_tokens, batch, max_tokens,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -93,7 +96,7 @@ def _prefill_kernel(
     stride_lt, stride_lh,
     GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, SINKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -150,20 +153,22 @@ def _prefill_kernel(
     bt_row_ptr = bt_ptr + b64 * stride_btb
     for n0 in range(0, full, BLOCK_N):
         acc, l_i, m_i = _prefill_kv_tile(
-            acc, l_i, m_i, q, k_ptr, v_ptr, bt_row_ptr, n0, hi, pos, qk_scale,
+            acc, l_i, m_i, q, k_ptr, v_ptr, bt_row_ptr, n0, hi, pos, qk_scale, cap,
             kvh, stride_btn, stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d, d_ok,
-            BS=BS, MASKED=False, CAUSAL=CAUSAL, EVEN_D=D == BLOCK_D, IEEE=IEEE)
+            BS=BS, MASKED=False, CAUSAL=CAUSAL, EVEN_D=D == BLOCK_D, IEEE=IEEE, SOFTCAP=SOFTCAP, FAST_TANH=FAST_TANH)
     for n0 in range(full, hi, BLOCK_N):
         acc, l_i, m_i = _prefill_kv_tile(
-            acc, l_i, m_i, q, k_ptr, v_ptr, bt_row_ptr, n0, hi, pos, qk_scale,
+            acc, l_i, m_i, q, k_ptr, v_ptr, bt_row_ptr, n0, hi, pos, qk_scale, cap,
             kvh, stride_btn, stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d, d_ok,
-            BS=BS, MASKED=True, CAUSAL=CAUSAL, EVEN_D=D == BLOCK_D, IEEE=IEEE)
+            BS=BS, MASKED=True, CAUSAL=CAUSAL, EVEN_D=D == BLOCK_D, IEEE=IEEE, SOFTCAP=SOFTCAP, FAST_TANH=FAST_TANH)
 
     empty = l_i == 0.0  # only for lengths the API rejects (seq_len 0 with q_len > 0)
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    if SINKS:
+        o, lse = add_sink(o, lse, tl.load(sinks_ptr + qh, mask=row_ok, other=0.0))
     tl.store(out_ptr + q_row[:, None] * stride_ot + qh[:, None] * stride_oh + offs_d[None, :] * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=q_mask)
     tl.store(lse_ptr + q_row * stride_lt + qh * stride_lh, lse, mask=row_ok)
@@ -188,9 +193,10 @@ def prefill_config(dtype: torch.dtype, head_dim: int, group: int, device: torch.
 
 def prefill_triton(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale: float, causal: bool,
                    out, lse, block_m: int | None = None, block_n: int | None = None,
-                   num_warps: int | None = None, num_stages: int | None = None):
+                   num_warps: int | None = None, num_stages: int | None = None, softcap: float = 0.0, sinks=None):
     """q [T, Hq, D]; caches [NB, BS, Hkv, D]; query_start_loc [B+1] int32 (device); writes
-    out [T, Hq, D] and lse [T, Hq] (fp32, ln). Tile settings default to :func:`prefill_config`."""
+    out [T, Hq, D] and lse [T, Hq] (fp32, ln). Tile settings default to :func:`prefill_config`.
+    ``softcap`` > 0: scores soft-capped (0: none); ``sinks [Hq]`` fp32 or None."""
     t, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     batch = seq_lens.shape[0]
@@ -208,19 +214,20 @@ def prefill_triton(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, 
     block_b = min(1024, triton.next_power_of_2(batch + 1))
     grid = (t // tok + batch, hkv)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, lse,
-        scale, t, batch, block_table.shape[1] * bs,
+        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, lse, lse if sinks is None else sinks,
+        scale, softcap * LOG2E, t, batch, block_table.shape[1] * bs,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(),
         *seq_lens.stride(), *query_start_loc.stride(), *out.stride(), *lse.stride(),
         GROUP=group, BS=bs, D=d, TOK=tok, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(d), BLOCK_B=block_b,
-        CAUSAL=bool(causal), IEEE=q.dtype == torch.float32,
+        CAUSAL=bool(causal), IEEE=q.dtype == torch.float32, SOFTCAP=softcap > 0, FAST_TANH=fast_tanh(q),
+        SINKS=sinks is not None,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )
 
 
 def prefill_torch(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale: float, causal: bool,
-                  out, lse, budget: int = 1 << 24):
+                  out, lse, budget: int = 1 << 24, softcap: float = 0.0, sinks=None):
     """Vectorised torch version (CPU tensors), fp32 math.
 
     Each request's queries are cut into chunks of at most ``budget / (Hq * padded seq_len)`` rows;
@@ -251,12 +258,12 @@ def prefill_torch(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, s
                 break
             qmax, kmax, hi = nq, nk, hi + 1
         _prefill_torch_chunk(q, k_cache, v_cache, block_table, items[lo:hi], starts, lens, qmax, kmax,
-                             scale, causal, out, lse, group)
+                             scale, causal, out, lse, group, softcap, sinks)
         lo = hi
 
 
 def _prefill_torch_chunk(q, k_cache, v_cache, block_table, items, starts, lens, qmax, kmax, scale, causal,
-                         out, lse, group):
+                         out, lse, group, softcap, sinks):
     t, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     req = torch.tensor([it[0] for it in items])
@@ -280,7 +287,7 @@ def _prefill_torch_chunk(q, k_cache, v_cache, block_table, items, starts, lens, 
     # Slots past a row's length may hold anything (NaN): their scores are masked, and their values
     # zeroed (a zero weight times NaN is NaN).
     v[~in_seq] = 0.0
-    s = torch.einsum("rqhgd,rkhd->rhgqk", qg, k) * scale
+    s = soft_cap(torch.einsum("rqhgd,rkhd->rhgqk", qg, k) * scale, softcap)
     ok = in_seq[:, None, :]  # [R, 1, kmax]
     if causal:
         pos = (n - q_len)[:, None] + qi  # key position of each query  [R, qmax]
@@ -288,6 +295,8 @@ def _prefill_torch_chunk(q, k_cache, v_cache, block_table, items, starts, lens, 
     s = s.masked_fill(~ok[:, None, None], float("-inf"))
     l_ = torch.logsumexp(s, dim=-1)  # [R, Hkv, g, qmax]
     p = torch.exp(s - l_.nan_to_num(neginf=0.0)[..., None])  # rows without keys: exp(-inf) = 0
-    o = torch.einsum("rhgqk,rkhd->rqhgd", p, v).reshape(len(items), qmax, hq, d)
-    out[rows[q_ok]] = o[q_ok].to(out.dtype)
-    lse[rows[q_ok]] = l_.permute(0, 3, 1, 2).reshape(len(items), qmax, hq)[q_ok]
+    o = torch.einsum("rhgqk,rkhd->rqhgd", p, v).reshape(len(items), qmax, hq, d)[q_ok]  # [N, Hq, D]
+    l_ = l_.permute(0, 3, 1, 2).reshape(len(items), qmax, hq)[q_ok]
+    sink_states(o, l_, sinks)
+    out[rows[q_ok]] = o.to(out.dtype)
+    lse[rows[q_ok]] = l_

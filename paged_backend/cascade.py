@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from paged_backend.kernels.cascade import cascade_torch, cascade_triton
-from paged_backend.kernels.checks import HEAD_DIMS, check_attention_inputs, check_heads, check_plan_matches
+from paged_backend.kernels.checks import (HEAD_DIMS, check_attention_inputs, check_heads, check_plan_matches,
+                                         check_sinks, check_softcap)
 from paged_backend.kernels.decode import decode_triton
 from paged_backend.kernels.dispatch import use_triton
 from paged_backend.cascade_plan import CascadeCost, CascadePlan, build_plan
@@ -20,15 +21,17 @@ __all__ = ["CascadePlan", "CascadeCost", "plan_cascade", "cascade_decode"]
 
 
 def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cplan: CascadePlan,
-                   return_lse: bool = True, scale: float | None = None):
+                   return_lse: bool = True, scale: float | None = None, *, softcap: float | None = None,
+                   sinks: torch.Tensor | None = None):
     """Decode attention of one query token per request, sharing the plan's prefixes.
 
     q [B, Hq, D]; k_cache, v_cache [NB, BS, Hkv, D] (any strides); ``cplan`` from
     :func:`plan_cascade` for this step (it holds the block table and lengths). Returns
     ``(out [B, Hq, D] in q's dtype, lse [B, Hq] float32 natural log)``, or ``out`` alone when
     ``return_lse=False``. A request of length 0 gives out = 0, lse = -inf. Exact (equal to flat
-    decode up to rounding) and deterministic.
+    decode up to rounding) and deterministic. ``softcap``, ``sinks``: as in :func:`paged_decode`.
     """
+    softcap = check_softcap(softcap)
     if not isinstance(cplan, CascadePlan):
         raise TypeError(f"cplan must be a CascadePlan from pb.plan_cascade, got {type(cplan).__name__}")
     if not isinstance(return_lse, bool):
@@ -39,16 +42,17 @@ def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                        block_size=bs)
     if cplan.max_block_id >= nb:
         raise ValueError(f"cplan's block table uses block id {cplan.max_block_id} but k_cache holds {nb} blocks")
+    sinks = check_sinks(sinks, hq, q.device)
     out = torch.empty(batch, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device)
     if use_triton(q):
         if cplan.is_flat:
             decode_triton(q, k_cache, v_cache, cplan.views["block_table"], cplan.views["seq_lens"],
-                          cplan.flat_plan, scale, out, lse)
+                          cplan.flat_plan, scale, out, lse, softcap, sinks)
         else:
-            cascade_triton(q, k_cache, v_cache, cplan, scale, out, lse)
+            cascade_triton(q, k_cache, v_cache, cplan, scale, out, lse, softcap, sinks)
     else:
-        cascade_torch(q, k_cache, v_cache, cplan, scale, out, lse)
+        cascade_torch(q, k_cache, v_cache, cplan, scale, out, lse, softcap, sinks)
     return (out, lse) if return_lse else out
 
 

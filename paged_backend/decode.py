@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from paged_backend.kernels.checks import (FLOAT_DTYPES, HEAD_DIMS, check_attention_inputs, check_block_table, check_plan_matches,
-                            check_scale, check_shape, check_tensor, debug_enabled)
+                            check_scale, check_shape, check_sinks, check_softcap, check_tensor, debug_enabled)
 from paged_backend.plan import check_plan_covers
 from paged_backend.kernels.decode import decode_torch, decode_triton
 from paged_backend.kernels.dispatch import use_triton
@@ -83,7 +83,8 @@ def _checked(q, k_cache, v_cache, block_table, seq_lens, scale, plan, out, lse_o
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float | None = None, plan: DecodePlan | None = None,
-                 return_lse: bool = True, *, out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None):
+                 return_lse: bool = True, *, out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
+                 softcap: float | None = None, sinks: torch.Tensor | None = None):
     """Attention of one query token per request over its paged K/V.
 
     q [B, Hq, D]; k_cache, v_cache [NB, BS, Hkv, D] (any strides); block_table [B, max_blocks]
@@ -102,7 +103,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ``out`` [B, Hq, D] (q's dtype) and ``lse_out`` [B, Hq] float32, contiguous, on q's device: write
     the results there instead of new tensors (e.g. straight into a collective's send buffer, see
     ``TreeMerger.send_views``); ``lse_out`` is written even when ``return_lse=False``.
+
+    ``softcap``: logit soft-capping (Gemma 2): each score ``x = scale * q.k`` becomes
+    ``softcap * tanh(x / softcap)`` before the softmax; ``lse`` is of the capped scores. None: none.
+
+    ``sinks [Hq]`` float32 (gpt-oss, vLLM's ``sinks``): per query head, a logit added to the softmax
+    denominator as a key of value 0: ``out`` is scaled by ``exp(lse_keys - lse)`` and ``lse =
+    logaddexp(lse_keys, sink)`` *includes* the sink (an empty request gives out = 0, lse = sink).
+    Merge such states only with states without the sink (it is counted once per state).
     """
+    softcap = check_softcap(softcap)
     if _fits_plan(q, k_cache, v_cache, block_table, seq_lens, plan) and _fits_out(out, q.shape, q.dtype, q.device) \
             and _fits_out(lse_out, q.shape[:2], torch.float32, q.device):
         b, hq, d = plan.batch_size, plan.num_q_heads, plan.head_dim
@@ -112,12 +122,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         lse = torch.empty(b, hq, dtype=torch.float32, device=plan.device) if lse_out is None else lse_out
     else:
         scale, out, lse = _checked(q, k_cache, v_cache, block_table, seq_lens, scale, plan, out, lse_out)
+    sinks = check_sinks(sinks, q.shape[1], q.device)
     if use_triton(q):
         if plan is None:
             b, hq, d = q.shape
             bs, hkv = k_cache.shape[1], k_cache.shape[2]
             plan = _capacity_plan(b, block_table.shape[1] * bs, hq, hkv, d, bs, q.device)
-        decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale, out, lse)
+        decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale, out, lse, softcap, sinks)
     else:
-        decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale, out, lse)
+        decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale, out, lse, softcap, sinks)
     return (out, lse) if return_lse else out

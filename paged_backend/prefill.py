@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from paged_backend.kernels.checks import check_attention_inputs, check_block_table, check_tensor, debug_enabled
+from paged_backend.kernels.checks import (check_attention_inputs, check_block_table, check_sinks, check_softcap,
+                                         check_tensor, debug_enabled)
 from paged_backend.kernels.dispatch import use_triton
 from paged_backend.kernels.prefill import prefill_torch, prefill_triton
 
@@ -51,7 +52,7 @@ def check_query_start_loc(query_start_loc, num_tokens: int, batch: int, device, 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, causal: bool = True,
                   return_lse: bool = True, *, scale: float | None = None, query_start_loc_cpu=None,
-                  seq_lens_cpu=None):
+                  seq_lens_cpu=None, softcap: float | None = None, sinks: torch.Tensor | None = None):
     """Varlen attention of new query tokens over their requests' paged K/V.
 
     q [T, Hq, D]: request ``b``'s queries are rows ``query_start_loc[b]:query_start_loc[b+1]``, its
@@ -68,7 +69,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``query_start_loc_cpu`` / ``seq_lens_cpu``: optional host copies of the metadata (as a plan
     keeps them). They are only used to validate values without reading the GPU (the kernel itself
     never needs them); without them GPU values are checked only with ``PAGED_BACKEND_DEBUG=1``.
+    ``softcap``, ``sinks``: logit soft-capping and attention sinks, as in :func:`paged_decode`.
     """
+    softcap = check_softcap(softcap)
     nb, bs, hkv, d, hq, scale = check_attention_inputs(q, k_cache, v_cache, scale)
     num_tokens = q.shape[0]
     if not isinstance(causal, bool):
@@ -84,11 +87,14 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if lens_host is None and (seq_lens.device.type == "cpu" or debug_enabled()):
         lens_host = seq_lens.cpu()
     check_query_start_loc(query_start_loc, num_tokens, batch, q.device, query_start_loc_cpu, lens_host)
+    sinks = check_sinks(sinks, hq, q.device)
     out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, hq, dtype=torch.float32, device=q.device)
     if num_tokens:
         if use_triton(q):
-            prefill_triton(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, out, lse)
+            prefill_triton(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, out, lse,
+                           softcap=softcap, sinks=sinks)
         else:
-            prefill_torch(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, out, lse)
+            prefill_torch(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, out, lse,
+                          softcap=softcap, sinks=sinks)
     return (out, lse) if return_lse else out

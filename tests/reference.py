@@ -14,39 +14,49 @@ def gather_kv(k_cache, v_cache, block_table, seq_len: int, b: int):
     return k_cache.cpu()[pages, rows], v_cache.cpu()[pages, rows]
 
 
-def attend(q, k, v, scale: float, mask=None):
+def attend(q, k, v, scale: float, mask=None, softcap=None, sinks=None):
     """q [Tq, Hq, D], k/v [Tk, Hkv, D] -> (o [Tq, Hq, D] fp64, lse [Tq, Hq] fp64, natural log).
 
     ``mask [Tq, Tk]`` bool, True = attend. A row with no keys gives o = 0, lse = -inf.
+    ``softcap``: scores ``x`` become ``softcap * tanh(x / softcap)`` (Gemma 2). ``sinks [Hq]``: a
+    logit per head in every row's softmax denominator, with value 0 (gpt-oss); lse includes it.
     """
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     if mask is not None:
         s = s.masked_fill(~mask[None], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [Hq, Tq]
     p = torch.exp(s - lse[..., None])
     p = torch.nan_to_num(p, nan=0.0)
     o = torch.einsum("hqk,khd->qhd", p, v)
-    return o, lse.transpose(0, 1)
+    lse = lse.transpose(0, 1)
+    if sinks is not None:
+        total = torch.logaddexp(lse, sinks.double().cpu()[None, :])
+        o = o * torch.exp(lse - total)[..., None]
+        lse = total
+    return o, lse
 
 
-def decode_reference(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+def decode_reference(q, k_cache, v_cache, block_table, seq_lens, scale=None, softcap=None, sinks=None):
     """q [B, Hq, D] -> (o [B, Hq, D] fp64, lse [B, Hq] fp64)."""
     d = q.shape[-1]
     scale = d ** -0.5 if scale is None else scale
     outs, lses = [], []
     for b, n in enumerate(seq_lens.tolist()):
         k, v = gather_kv(k_cache, v_cache, block_table, n, b)
-        o, lse = attend(q[b:b + 1].cpu(), k, v, scale)
+        o, lse = attend(q[b:b + 1].cpu(), k, v, scale, softcap=softcap, sinks=sinks)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
 
 
-def prefill_reference(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, causal=True, scale=None):
+def prefill_reference(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, causal=True, scale=None,
+                      softcap=None, sinks=None):
     """q [T, Hq, D]: request i's queries are its last q_len_i tokens -> (o [T, Hq, D], lse [T, Hq])."""
     d = q.shape[-1]
     scale = d ** -0.5 if scale is None else scale
@@ -59,7 +69,7 @@ def prefill_reference(q, k_cache, v_cache, block_table, seq_lens, query_start_lo
         if causal:
             qpos = torch.arange(n - qi.shape[0], n)
             mask = torch.arange(n)[None, :] <= qpos[:, None]
-        o, lse = attend(qi, k, v, scale, mask)
+        o, lse = attend(qi, k, v, scale, mask, softcap=softcap, sinks=sinks)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

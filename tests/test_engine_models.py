@@ -23,6 +23,8 @@ FAMILIES = {
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=None),
     "qwen2": lambda: transformers.Qwen2Config(**SMALL),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL),
+    # logit soft-capping on every layer; its sliding layers' window covers max_model_len (512)
+    "gemma2": lambda: transformers.Gemma2Config(**dict(SMALL, sliding_window=512), attn_logit_softcapping=5.0),
 }
 PROMPTS = [[5, 17, 3], list(range(40, 77)), [9] * 16, list(range(100, 133))]  # lengths around the block size
 
@@ -36,9 +38,11 @@ def tiny(family: str, seed: int = 0, **overrides):
 
 
 def hf_greedy(model, prompt, n):
-    """transformers' generate with SDPA on a copy of the weights (the reference)."""
+    """transformers' generate with SDPA (eager where SDPA cannot soft-cap or add sinks) on a copy of
+    the weights (the reference)."""
     ref = copy.deepcopy(model)
-    ref.set_attn_implementation("sdpa")
+    eager = getattr(model.config, "attn_logit_softcapping", None) or model.config.model_type == "gpt_oss"
+    ref.set_attn_implementation("eager" if eager else "sdpa")
     out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
                        attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     return out[0, len(prompt):].tolist()
@@ -145,13 +149,49 @@ def test_mistral_window_that_never_cuts_runs_and_a_cutting_one_is_refused():
         LLM(tiny("mistral", sliding_window=64), device="cpu", num_blocks=32, max_model_len=128)
 
 
+def test_gemma2_soft_capping_matches_transformers():
+    """Large attention scores (q/k weights x6) under a cap of 2: the capped model's greedy tokens
+    differ from the uncapped one's (so the cap matters here), and the engine's equal transformers'."""
+    model = tiny("gemma2", attn_logit_softcapping=2.0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+            layer.self_attn.k_proj.weight.mul_(6)
+    want = [hf_greedy(model, p, 12) for p in PROMPTS]
+    uncapped = copy.deepcopy(model)
+    for layer in uncapped.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    assert [hf_greedy(uncapped, p, 12) for p in PROMPTS] != want
+    llm = LLM(model, device="cpu", block_size=16, num_blocks=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=12),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_gpt_oss_attention_sinks_match_transformers():
+    """gpt-oss's learned per-head sinks (set to matter: the tokens differ with sinks at -1e4) go to
+    the ops' ``sinks``; greedy tokens equal transformers' eager attention."""
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(**dict(SMALL, num_local_experts=2, num_experts_per_tok=1, sliding_window=512))
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(-1.0, 6.0, SMALL["num_attention_heads"]))
+    want = [hf_greedy(model, p, 12) for p in PROMPTS]
+    sinkless = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in sinkless.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+    assert [hf_greedy(sinkless, p, 12) for p in PROMPTS] != want
+    llm = LLM(model, device="cpu", block_size=16, num_blocks=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=12),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 @pytest.mark.parametrize("make, feature", [
-    (lambda: transformers.Gemma2Config(**dict(SMALL, sliding_window=None), attn_logit_softcapping=50.0),
-     "soft-capping"),
     (lambda: transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=32, max_window_layers=1),
      "sliding-window attention"),
-    (lambda: transformers.GptOssConfig(**dict(SMALL, num_local_experts=2, num_experts_per_tok=1, sliding_window=None)),
-     "attention sinks"),
 ])
 def test_models_needing_missing_features_are_refused(make, feature):
     torch.manual_seed(0)

@@ -34,7 +34,7 @@ import paged_backend as pb  # noqa: E402
 from paged_backend.integration.vllm.backend import PagedAttentionBackend  # noqa: E402
 from paged_backend.integration.vllm.impl import PagedAttentionImpl  # noqa: E402
 from paged_backend.kernels.checks import HEAD_DIMS  # noqa: E402
-from reference import TOL, prefill_reference, rel_err  # noqa: E402
+from tests.reference import TOL, prefill_reference, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("vllm")  # one worker imports vLLM (seconds), not both
 
@@ -50,10 +50,12 @@ def vllm_config():
         yield cfg
 
 
-def make_layers(cfg, head_size: int, num_layers: int = 1) -> list[Attention]:
+def make_layers(cfg, head_size: int, num_layers: int = 1, softcap=None, sinks=None) -> list[Attention]:
     """Real vLLM attention layers on our backend (they register in ``cfg``'s forward context)."""
+    extra = {} if sinks is None else {"sinks": sinks}
     return [Attention(HQ, head_size, 0.37 / head_size ** 0.5, num_kv_heads=HKV, prefix=f"model.layers.{i}.attn",
-                      attn_backend=PagedAttentionBackend) for i in range(num_layers)]
+                      logits_soft_cap=softcap, attn_backend=PagedAttentionBackend, **extra)
+            for i in range(num_layers)]
 
 
 class Batch:
@@ -130,7 +132,7 @@ class Batch:
             is_prefilling=torch.tensor([q > 1 for q in self.query_lens], device=dev),
             positions=torch.arange(self.num_padded, device=dev))  # (unused by the backend)
 
-    def reference(self, scale: float) -> torch.Tensor:
+    def reference(self, scale: float, softcap=None, sinks=None) -> torch.Tensor:
         """fp64 dense attention of the step's queries over each request's true K/V -> [T, Hq, D]."""
         k_dense = torch.zeros(len(self.seq_lens), max(self.seq_lens), HKV, self.d, dtype=torch.float64)
         v_dense = torch.zeros_like(k_dense)
@@ -140,7 +142,7 @@ class Batch:
         table = torch.arange(len(self.seq_lens) * m, dtype=torch.int32).view(-1, m)
         o, _ = prefill_reference(self.query[:self.num_tokens].cpu(), k_dense.view(-1, 1, HKV, self.d),
                                  v_dense.view(-1, 1, HKV, self.d), table, torch.tensor(self.seq_lens),
-                                 self.query_start_loc, causal=True, scale=scale)
+                                 self.query_start_loc, causal=True, scale=scale, softcap=softcap, sinks=sinks)
         return o
 
     def check_written(self):
@@ -175,7 +177,7 @@ def run_step(cfg, layers, batch: Batch, builder=None):
 
 def check(batch: Batch, layer, out, dtype=torch.float32):
     batch.check_written()
-    ref = batch.reference(layer.impl.scale)
+    ref = batch.reference(layer.impl.scale, layer.impl.softcap, layer.impl.sinks)
     assert torch.isfinite(out[:batch.num_tokens]).all()
     assert rel_err(out[:batch.num_tokens], ref) < TOL[dtype]
 
@@ -240,6 +242,27 @@ def test_shared_prefix(vllm_config, monkeypatch, kind, cascade, device):
     check(batch, layers[0], out)
 
 
+@pytest.mark.kernel
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["mixed", "shared"])
+@pytest.mark.parametrize("feature", ["softcap", "sinks"])
+def test_logit_features(vllm_config, kind, device, feature):
+    """A layer with ``logits_soft_cap`` (Gemma 2) or ``sinks`` (gpt-oss, bf16 as its parameter is)
+    has it on every path: decode, cascade, prefill."""
+    seq_lens, query_lens = SHARED["mixed"] if kind == "shared" else STEPS["mixed"]
+    share = dict(share=[list(range(16))], shared_blocks=64) if kind == "shared" else {}
+    batch = Batch(seq_lens, query_lens, 16, 128, device=device, **share)
+    batch.query *= 8  # large scores: the cap matters
+    if feature == "softcap":
+        layers = make_layers(vllm_config, 128, softcap=2.0)
+    else:
+        layers = make_layers(vllm_config, 128, sinks=torch.linspace(0.0, 30.0, HQ, dtype=torch.bfloat16, device=device))
+    md, _, (out,) = run_step(vllm_config, layers, batch)
+    assert kind != "shared" or isinstance(md.plan, pb.CascadePlan)
+    check(batch, layers[0], out)
+    assert rel_err(out[:batch.num_tokens], batch.reference(layers[0].impl.scale)) > 0.05  # featured != plain
+
+
 def test_plan_once_per_step(vllm_config):
     """Four layers share one plan per step; a second step of the same size refills the first's."""
     layers = make_layers(vllm_config, 64, num_layers=4)
@@ -277,6 +300,54 @@ def test_full_decode_graphs_take_flat_plans(vllm_config, monkeypatch):
     check(mixed, layers[0], out)
 
 
+@pytest.mark.gpu
+def test_decode_step_replays_in_cuda_graph(vllm_config):
+    """The declared UNIFORM_SINGLE_TOKEN_DECODE support, as vLLM uses it: a decode step captured in
+    a CUDA graph from fixed buffers replays a later step of the same batch size after its inputs
+    are copied into those buffers and ``build`` has refilled the same plan."""
+    comp = vllm_config.compilation_config
+    comp.cudagraph_mode, comp.max_cudagraph_capture_size = CUDAGraphMode.FULL_DECODE_ONLY, 32
+    layers = make_layers(vllm_config, 128, num_layers=2)
+    # same shapes (lengths permuted: same block count and table width), other values
+    first = Batch([37, 5, 64, 1, 18], [1] * 5, 16, 128, dtype=torch.bfloat16, device="cuda", seed=1)
+    second = Batch([64, 18, 5, 37, 1], [1] * 5, 16, 128, dtype=torch.bfloat16, device="cuda", seed=2)
+    seq_lens = torch.tensor(first.seq_lens, dtype=torch.int32, device="cuda")  # the runner's fixed buffer
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=HKV, head_size=128, dtype=torch.bfloat16)
+    names = [layer.layer_name for layer in layers]
+    builder = PagedAttentionBackend.get_builder_cls()(spec, names, vllm_config, torch.device("cuda"))
+    for layer in layers:
+        layer.kv_cache, layer.use_direct_call = first.kv_cache, True
+
+    def step(md):
+        with set_forward_context({n: md for n in names}, vllm_config, slot_mapping={n: first.slot_mapping for n in names}):
+            x = first.query.reshape(5, -1)
+            for layer in layers:
+                out = layer(x, first.key.reshape(5, -1), first.value.reshape(5, -1))
+        return out
+
+    md = builder.build(0, first.common_metadata().replace(seq_lens=seq_lens))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(md)  # warm-up (kernel compilation) off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(md)
+    graph.replay()
+    check(first, layers[-1], out.view(5, HQ, 128), torch.bfloat16)
+    for name in ("kv_cache", "block_table", "key", "value", "query", "slot_mapping"):
+        getattr(first, name).copy_(getattr(second, name))
+    seq_lens.copy_(torch.tensor(second.seq_lens, dtype=torch.int32))
+    md2 = builder.build(0, second.common_metadata().replace(
+        seq_lens=seq_lens, block_table_tensor=first.block_table, slot_mapping=first.slot_mapping))
+    assert md2.plan is md.plan  # the captured buffers, refilled
+    graph.replay()
+    torch.cuda.synchronize()
+    second.kv_cache = first.kv_cache  # (the buffers the replay wrote)
+    check(second, layers[-1], out.view(5, HQ, 128), torch.bfloat16)
+
+
 def test_entry_point_registers_custom_backend():
     """vLLM's plug-in loader runs our entry point: ``--attention-backend CUSTOM`` resolves to us."""
     from importlib.metadata import entry_points
@@ -309,12 +380,12 @@ def test_supported_configurations():
             for block_size in (None, *BLOCK_SIZES, 48, 528):  # 528 = 33 kernel blocks of 16
                 assert _reasons(head_size=head_size, dtype=dtype, block_size=block_size) == []
     assert _reasons(device_capability=DeviceCapability(8, 0)) == []
+    assert _reasons(has_sink=True) == []  # gpt-oss's sinks
 
 
 @pytest.mark.parametrize("change, words", [
     (dict(head_size=32), "head_size"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
-    (dict(has_sink=True), "sink"),
     (dict(has_sliding_window=True), "sliding window"),
     (dict(use_mla=True), "MLA"),
     (dict(use_sparse=True), "sparse"),
@@ -335,11 +406,9 @@ def test_unsupported_configurations_refused(change, words):
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(sliding_window=4096), "sliding window"),
-    (dict(logits_soft_cap=30.0), "soft-capping"),
     (dict(alibi_slopes=[0.5, 0.25, 0.125, 0.0625]), "ALiBi"),
     (dict(kv_cache_dtype="fp8_e4m3"), "fp8_e4m3"),
     (dict(attn_type=AttentionType.ENCODER_DECODER), "attention type"),
-    (dict(sinks=torch.zeros(HQ)), "sinks"),
 ])
 def test_impl_refuses_features(kwargs, words):
     """Direct use of the impl (vLLM's checks come first) refuses what it cannot run, by name."""

@@ -45,10 +45,14 @@ class PagedAttentionBackend(AttentionBackend):
         return capability.major >= 8  # bf16 tensor cores (Ampere and later); tested on Hopper
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        return True  # per-head sinks (gpt-oss) in the softmax denominator of every path
+
+    @classmethod
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:
         return False  # the decode/prefill split and the prefill rows' host offsets come from the CPU copy
 
-    # Left at vLLM's default False, each refusing what we lack: supports_sink, supports_sliding_window,
+    # Left at vLLM's default False, each refusing what we lack: supports_sliding_window,
     # supports_alibi_sqrt, supports_mm_prefix, supports_non_causal, is_sparse, is_mla,
     # supports_per_head_quant_scales. supports_batch_invariance stays False too: a stream-K plan cuts
     # a request's KV by what else is in the batch, so its rounding depends on the batch (the result
