@@ -36,9 +36,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if kwargs.get("is_causal", True) is False or attention_mask is not None:
         raise NotImplementedError(f"{type(module).__name__} (layer {module.layer_idx}) asks for a non-causal or "
                                   "masked attention; the paged backend runs causal attention over packed rows")
-    sinks = kwargs.get("s_aux")
     if query.shape[0] != 1:
         raise ValueError(f"query must pack every row into one batch row ([1, Hq, T, D]), got {tuple(query.shape)}")
+    sinks = kwargs.get("s_aux")
     out = step.attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                       scaling, softcap=kwargs.get("softcap"),  # (Gemma 2's logit soft-capping, or None)
                       sinks=None if sinks is None else sinks.float())  # gpt-oss's per-head sinks

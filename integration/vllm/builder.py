@@ -7,8 +7,11 @@ always 0); the other rows run ``pb.paged_prefill``. ``build`` makes the step's p
 once, for all the layers it serves, from ``seq_lens_cpu_upper_bound`` (the kernels clamp each
 request by its device length, so an upper bound is exact).
 
-Decode plans keep their device buffers per batch size (``plan.update`` refills them), so a
-decode-only batch can replay in a full CUDA graph (``UNIFORM_SINGLE_TOKEN_DECODE``). A cascade
+A decode plan is refilled in place (``plan.update``) while the batch size stays; the plans of
+batches a full CUDA graph may replay are kept per batch size (vLLM pads those to its captured
+sizes), so their buffers stay where the graph reads them (``UNIFORM_SINGLE_TOKEN_DECODE``). Eager
+steps keep one plan: their batch sizes change step by step, and a plan per size would hold a
+workspace per size. A cascade
 plan cannot (its buffers follow its forest): where vLLM may replay a full decode graph (full decode
 graphs on and the batch within the captured sizes), decode-only batches take the flat plan.
 A cascade plan needs the block table on the host, which vLLM's metadata does not carry: eager steps
@@ -76,7 +79,8 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         full_decode = (comp.cudagraph_mode or CUDAGraphMode.NONE).decode_mode() == CUDAGraphMode.FULL
         # decode-only batches of up to this many rows may replay a full graph: flat plans only
         self.graph_rows = (comp.max_cudagraph_capture_size or 0) if full_decode else 0
-        self._decode_plans: dict[int, pb.DecodePlan] = {}
+        self._graph_plans: dict[int, pb.DecodePlan] = {}  # per captured batch size
+        self._eager_plan: pb.DecodePlan | None = None
         self.plans_made = 0  # plans made or refilled (tests: one per step, whatever the number of layers)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -101,7 +105,7 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
 
     def _plan(self, block_table: torch.Tensor, lens: np.ndarray, graphable: bool):
         """A CascadePlan when decode rows share leading full blocks (and no graph may replay the
-        step), else this batch size's DecodePlan refilled for ``lens``."""
+        step), else a DecodePlan of this batch size refilled for ``lens``."""
         self.plans_made += 1
         nd = lens.size
         # vLLM gives no host block table: copies from the device, each a sync (see the module doc);
@@ -110,8 +114,12 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
             cplan = pb.plan_cascade(block_table.cpu().numpy(), lens, block_table_device=block_table, **self.shape)
             if not cplan.is_flat:
                 return cplan
-        plan = self._decode_plans.get(nd)
-        if plan is None:
-            plan = self._decode_plans[nd] = pb.plan_decode(lens, **self.shape)
-            return plan
-        return plan.update(lens)
+        plan = self._graph_plans.get(nd) if graphable else self._eager_plan
+        if plan is not None and plan.batch_size == nd:
+            return plan.update(lens)
+        plan = pb.plan_decode(lens, **self.shape)
+        if graphable:
+            self._graph_plans[nd] = plan
+        else:
+            self._eager_plan = plan
+        return plan
