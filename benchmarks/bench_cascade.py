@@ -43,9 +43,10 @@ CASES = {
 QUICK = {"64/4/16": [(64, 1), (16, 4)], "2level-tiny": [(32, 1), (48, 2), (8, 3)]}
 
 
-def build(levels, dtype, device, seed=0, n_sets=1):
+def build(levels, dtype, device, seed=0, n_sets=1, kv_dtype=None):
     """A forest of shared pages: level i has prod(fan-outs[:i+1]) nodes of tokens_i each; every
-    request's table row = its ancestors' pages then its own (last level). -> dict."""
+    request's table row = its ancestors' pages then its own (last level). ``kv_dtype``: a cache
+    dtype other than q's (fp8, scales 1.0). -> dict."""
     gen = np.random.default_rng(seed)
     counts = np.cumprod([f for _, f in levels])
     pages_per = [-(-t // BS) for t, _ in levels]
@@ -66,11 +67,12 @@ def build(levels, dtype, device, seed=0, n_sets=1):
     sets = []
     for s in range(n_sets):
         torch.manual_seed(seed + s)
-        sets.append((torch.randn(bsz, HQ, D, device=device).to(dtype), torch.randn(shape, device=device).to(dtype),
-                     torch.randn(shape, device=device).to(dtype)))
-    elt = torch.empty((), dtype=dtype).element_size()
+        kv = kv_dtype or dtype
+        sets.append((torch.randn(bsz, HQ, D, device=device).to(dtype), torch.randn(shape, device=device).to(kv),
+                     torch.randn(shape, device=device).to(kv)))
+    elt = (kv_dtype or dtype).itemsize
     uniq_tokens = sum(int(c) * t for c, (t, _) in zip(counts, levels))
-    return dict(table=table, lens=lens, sets=sets, level_pages=level_pages, counts=counts,
+    return dict(table=table, lens=lens, sets=sets, level_pages=level_pages, counts=counts, kv_dtype=kv_dtype or dtype,
                 unique_bytes=uniq_tokens * HKV * D * 2 * elt, flat_bytes=int(lens.sum()) * HKV * D * 2 * elt)
 
 
@@ -89,7 +91,7 @@ def fi_cascade(case, device, dtype):
     last[-1].fill_((tail_tokens - 1) % BS + 1)
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
     w = flashinfer.MultiLevelCascadeAttentionWrapper(len(counts), ws, "NHD")
-    w.plan(qo, kvp, kvi, last, HQ, HKV, D, BS, q_data_type=dtype, kv_data_type=dtype)
+    w.plan(qo, kvp, kvi, last, HQ, HKV, D, BS, q_data_type=dtype, kv_data_type=case["kv_dtype"])
     return [lambda q=q, k=k, v=v: w.run(q, (k, v)) for q, k, v in case["sets"]], None
 
 
@@ -103,7 +105,7 @@ def fi_flat(case, device, dtype):
     last = torch.from_numpy(((lens - 1) % BS + 1).astype(np.int32)).to(device)
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=False)
-    w.plan(indptr, indices, last, HQ, HKV, D, BS, q_data_type=dtype, kv_data_type=dtype)
+    w.plan(indptr, indices, last, HQ, HKV, D, BS, q_data_type=dtype, kv_data_type=case["kv_dtype"])
     fns = [lambda q=q, k=k, v=v: w.run(q, (k, v), return_lse=True) for q, k, v in case["sets"]]
     return fns, lambda: (lambda o_l: (o_l[0], o_l[1].float() * LN2))(fns[0]())
 
@@ -171,11 +173,15 @@ def main():
     p.add_argument("--cases", help="comma-separated case names (default: all)")
     p.add_argument("--impls", help=f"comma-separated subset of {','.join(IMPLS)}")
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+    p.add_argument("--kv-dtype", choices=["fp8"], help="fp8 (e4m3) caches, bf16 queries (floor counts fp8 bytes)")
     p.add_argument("--out", help="results JSON; default benchmarks/results/<gpu>.json, none with --quick")
     p.add_argument("--md", help="markdown; default benchmarks/results/<gpu>.md, none with --quick")
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kv_dtype = None
+    if a.kv_dtype:
+        kv_dtype, dtype = torch.float8_e4m3fn, (dtype if device.type == "cuda" else torch.float16)
     cases = QUICK if a.quick else CASES
     if a.cases:
         cases = {k: cases[k] for k in a.cases.split(",")}
@@ -194,12 +200,12 @@ def main():
         C.free_memory()
         res = {}
         try:
-            probe = build(levels, dtype, device, n_sets=1)
+            probe = build(levels, dtype, device, n_sets=1, kv_dtype=kv_dtype)
             n_sets = 1
             set_bytes = probe["unique_bytes"]
             if device.type == "cuda" and set_bytes < C.ROTATE_BELOW:
                 n_sets = max(1, min(4, int(C.ROTATE_TOTAL // max(set_bytes, 1))))
-            case = build(levels, dtype, device, n_sets=n_sets) if n_sets > 1 else probe
+            case = build(levels, dtype, device, n_sets=n_sets, kv_dtype=kv_dtype) if n_sets > 1 else probe
         except Exception as e:  # noqa: BLE001
             results["cases"][name] = {"error": C.short_error(e)}
             print(name, "build failed:", C.short_error(e))

@@ -44,12 +44,22 @@ CASES = {
     "MQA_B4x64K": ([64 * K] * 4, 32, 1),
     "ragged64": ([256 * K] + [2 * K] * 63, 32, 8),
     "rand16": (np.random.default_rng(2026).integers(K, 128 * K + 1, 16).tolist(), 32, 8),
+    # sliding window 4096 (issue #20): time should follow the window, not the 128K context
+    "W4K_B1x128K": ([128 * K], 32, 8, 4 * K),
+    "W4K_B8x128K": ([128 * K] * 8, 32, 8, 4 * K),
+    # fp8 e4m3 KV (issue #20), bf16 queries: bytes and GB/s count one byte per K/V element
+    "FP8_B8x32K": ([32 * K] * 8, 32, 8, None, torch.float8_e4m3fn),
+    "FP8_B64x4K": ([4 * K] * 64, 32, 8, None, torch.float8_e4m3fn),
+    "FP8_ragged16": ([128 * K] + [K] * 15, 32, 8, None, torch.float8_e4m3fn),
+    "FP8_B1x128K": ([128 * K], 32, 8, None, torch.float8_e4m3fn),
 }
 QUICK_CASES = {
     "B1x200": ([200], 32, 8),
     "B3x130": ([130] * 3, 32, 8),
     "ragged4": ([300, 17, 64, 1], 32, 8),
     "MQA_B2x96": ([96] * 2, 32, 1),
+    "W40_B2x200": ([200, 30], 32, 8, 40),
+    "FP8_B3x130": ([130] * 3, 32, 8, None, torch.float8_e4m3fn),
 }
 HEAD_DIM, BLOCK_SIZE = 128, 16
 
@@ -61,8 +71,9 @@ def ours_impl(inp: C.PagedInputs, kind: str) -> Impl:
     else:
         plan = pb.plan_decode(np.asarray(inp.lens), num_q_heads=inp.num_q_heads, num_kv_heads=inp.num_kv_heads,
                               head_dim=inp.head_dim, block_size=inp.block_size, device=inp.device,
-                              mode="split" if kind == "ours_split" else "stream_k")
-    fns = [lambda q=q, k=k, v=v: pb.paged_decode(q, k, v, bt, sl, plan=plan) for q, k, v in inp.sets]
+                              mode="split" if kind == "ours_split" else "stream_k", window=inp.window)
+    fns = [lambda q=q, k=k, v=v: pb.paged_decode(q, k, v, bt, sl, plan=plan, window=inp.window)
+           for q, k, v in inp.sets]
     note = "" if plan is None else f"G={plan.num_programs} pieces={plan.num_pieces}"
     return Impl(fns, fns[0], note)
 
@@ -81,12 +92,15 @@ def _ratios(rec: dict) -> None:
         rec["impls"]["ours_sk"]["lse_vs_flashinfer"] = rec["impls"]["flashinfer"]["lse_vs_ours"]
 
 
-def run_case(name, lens, hq, hkv, args, copy_gbps) -> dict:
+def run_case(name, lens, hq, hkv, args, copy_gbps, window=None, kv_dtype=None) -> dict:
     dev, dtype = torch.device(args.device), args.dtype
-    inp = C.make_paged_inputs(lens, hq, hkv, HEAD_DIM, BLOCK_SIZE, dtype, dev, seed=sum(map(ord, name)))
+    if kv_dtype is not None and dev.type != "cuda":
+        dtype = torch.float16  # (the interpreter's fp8 path: fp16 queries)
+    inp = C.make_paged_inputs(lens, hq, hkv, HEAD_DIM, BLOCK_SIZE, dtype, dev, seed=sum(map(ord, name)),
+                              window=window, kv_dtype=kv_dtype)
     rows = C.check_rows(lens)
     ref_o, ref_lse = C.reference(inp, rows)
-    rec = {"all_lens": lens,
+    rec = {"all_lens": lens, "window": window, "kv_dtype": str(kv_dtype).replace("torch.", "") if kv_dtype else None,
            "num_q_heads": hq, "num_kv_heads": hkv, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
            "dtype": str(dtype).replace("torch.", ""), "bytes": inp.kv_bytes, "input_sets": len(inp.sets),
            "checked_rows": rows, "impls": {}}
@@ -317,8 +331,7 @@ def main(argv=None):
     md = args.md or (None if args.quick else os.path.join(C.ROOT, "benchmarks", "results", f"{slug}.md"))
     copy_gbps = args.copy_gbps or C.copy_bandwidth(dev)
     if args.child:
-        lens, hq, hkv = table[names[0]]
-        rec = run_case(names[0], lens, hq, hkv, args, copy_gbps)
+        rec = run_case(names[0], *table[names[0]][:3], args, copy_gbps, *table[names[0]][3:])
         with open(args.child, "w") as f:  # only a finished case leaves a file
             json.dump(rec, f)
         return 0
@@ -328,12 +341,11 @@ def main(argv=None):
     print(f"device {results['device']}  copy {copy_gbps:.0f} GB/s  {results['versions']}", flush=True)
     done = []
     for n in names:
-        lens, hq, hkv = table[n]
         try:
             if isolate:
                 results["cases"][n] = run_isolated(n, argv, copy_gbps, args.impls)
             else:
-                results["cases"][n] = run_case(n, lens, hq, hkv, args, copy_gbps)
+                results["cases"][n] = run_case(n, *table[n][:3], args, copy_gbps, *table[n][3:])
             done.append(n)
         except Exception as e:  # input creation or reference failed (e.g. out of memory)
             print(f"case {n} failed: {C.short_error(e)}", flush=True)

@@ -90,7 +90,7 @@ def run_case(name: str, device) -> dict:
             fwd = lambda md=md: layer.impl.forward(layer, q, None, None, kv, md, out)  # noqa: E731
             fwd()
             results[mode] = dict(build_us=build_us, attn_us=C.time_us(fwd, device), out=out.clone(),
-                                 cascade=isinstance(md.plan, pb.CascadePlan))
+                                 cascade=isinstance(md.plans[None], pb.CascadePlan))
             # in a CUDA graph: the GPU's time without the eager launches (a full decode graph
             # replays flat plans; a cascade plan replays too while the step's forest is unchanged)
             results[mode]["graph_us"] = C.graph_time_us([fwd])

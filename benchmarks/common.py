@@ -124,12 +124,15 @@ class PagedInputs:
     block_table: torch.Tensor  # [B, max_blocks] int32, pages shuffled
     seq_lens: torch.Tensor  # [B] int32 on device
     sets: list = field(default_factory=list)  # [(q [B, Hq, D], k [NB, BS, Hkv, D], v)]
+    window: int | None = None  # sliding window: each request attends its last `window` keys
+    kv_dtype: torch.dtype | None = None  # the cache's dtype when not q's (fp8)
 
     @property
     def kv_bytes(self) -> int:
-        """KV bytes that must be read at least once: sum(len) * Hkv * D * 2 (K and V) * elt."""
-        elt = torch.empty((), dtype=self.dtype).element_size()
-        return sum(self.lens) * self.num_kv_heads * self.head_dim * 2 * elt
+        """KV bytes that must be read at least once: sum(keys attended) * Hkv * D * 2 (K and V) * elt."""
+        elt = (self.kv_dtype or self.dtype).itemsize
+        keys = sum(min(n, self.window or n) for n in self.lens)
+        return keys * self.num_kv_heads * self.head_dim * 2 * elt
 
     @property
     def group(self) -> int:
@@ -137,7 +140,9 @@ class PagedInputs:
 
 
 def make_paged_inputs(lens, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype,
-                      device, seed: int = 0, rotate_sets: bool = True) -> PagedInputs:
+                      device, seed: int = 0, rotate_sets: bool = True, window: int | None = None,
+                      kv_dtype: torch.dtype | None = None) -> PagedInputs:
+    """``kv_dtype``: a cache dtype other than q's ``dtype`` (fp8: values of N(0, 1) rounded, scales 1.0)."""
     device = torch.device(device)
     lens = [int(n) for n in lens]
     need = [-(-n // block_size) for n in lens]
@@ -150,19 +155,19 @@ def make_paged_inputs(lens, num_q_heads: int, num_kv_heads: int, head_dim: int, 
     for b, n in enumerate(need):
         table[b, :n] = perm[at:at + n]
         at += n
-    elt = torch.empty((), dtype=dtype).element_size()
-    set_bytes = 2 * nb * block_size * num_kv_heads * head_dim * elt
+    set_bytes = 2 * nb * block_size * num_kv_heads * head_dim * (kv_dtype or dtype).itemsize
     n_sets = 1
     if rotate_sets and device.type == "cuda" and set_bytes < ROTATE_BELOW:
         n_sets = max(1, min(MAX_SETS, math.ceil(ROTATE_TOTAL / set_bytes)))
     inp = PagedInputs(lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device,
-                      table.to(device), torch.tensor(lens, dtype=torch.int32, device=device))
+                      table.to(device), torch.tensor(lens, dtype=torch.int32, device=device), window=window,
+                      kv_dtype=kv_dtype)
     torch.manual_seed(seed)
     shape = (nb, block_size, num_kv_heads, head_dim)
     for _ in range(n_sets):
         q = torch.randn(len(lens), num_q_heads, head_dim, device=device).to(dtype)
-        k = torch.randn(shape, dtype=dtype, device=device)
-        v = torch.randn(shape, dtype=dtype, device=device)
+        k = torch.randn(shape, dtype=dtype, device=device).to(kv_dtype or dtype)
+        v = torch.randn(shape, dtype=dtype, device=device).to(kv_dtype or dtype)
         inp.sets.append((q, k, v))
     return inp
 
@@ -172,6 +177,8 @@ def gather_request(cache: torch.Tensor, block_table: torch.Tensor, b: int, n: in
     bs = cache.shape[1]
     pos = torch.arange(n, device=cache.device)
     pages = block_table[b].long()[pos // bs]
+    if cache.element_size() == 1:  # fp8: gathered as bytes (torch's CUDA indexing has no fp8 kernels)
+        return cache.view(torch.uint8)[pages, pos % bs].view(cache.dtype)
     return cache[pages, pos % bs]
 
 
@@ -182,15 +189,17 @@ def check_rows(lens) -> list:
 
 
 def reference(inp: PagedInputs, rows, scale: float | None = None):
-    """fp64 dense attention of set 0 on ``rows`` -> (o [R, Hq, D], lse [R, Hq], natural log)."""
+    """fp64 dense attention of set 0 on ``rows`` (over each one's window, if any) -> (o [R, Hq, D],
+    lse [R, Hq], natural log)."""
     q, k_cache, v_cache = inp.sets[0]
     d, hkv, g = inp.head_dim, inp.num_kv_heads, inp.group
     scale = d ** -0.5 if scale is None else scale
     outs, lses = [], []
     for b in rows:
         n = inp.lens[b]
-        k = gather_request(k_cache, inp.block_table, b, n).double()
-        v = gather_request(v_cache, inp.block_table, b, n).double()
+        lo = max(0, n - inp.window) if inp.window else 0
+        k = gather_request(k_cache, inp.block_table, b, n)[lo:].double()
+        v = gather_request(v_cache, inp.block_table, b, n)[lo:].double()
         qb = q[b].double().view(hkv, g, d)
         s = torch.einsum("hgd,nhd->hgn", qb, k) * scale
         lse = torch.logsumexp(s, dim=-1)

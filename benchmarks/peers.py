@@ -54,7 +54,8 @@ def flashinfer_impl(inp: PagedInputs) -> Impl:
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=inp.device)
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
     w.plan(indptr.to(inp.device), indices.to(inp.device), last.to(inp.device), inp.num_q_heads,
-           hkv, inp.head_dim, bs, q_data_type=inp.dtype, kv_data_type=inp.dtype)
+           hkv, inp.head_dim, bs, q_data_type=inp.dtype, kv_data_type=inp.kv_dtype or inp.dtype,
+           window_left=inp.window - 1 if inp.window else -1)  # (FlashInfer: window_left keys before the query's)
     sets = [(q, k.expand(-1, -1, views, -1), v.expand(-1, -1, views, -1)) if views > 1 else (q, k, v)
             for q, k, v in inp.sets]
     fns = [lambda q=q, k=k, v=v: w.run(q, (k, v), return_lse=True) for q, k, v in sets]
@@ -70,6 +71,8 @@ def sdpa_impl(inp: PagedInputs) -> Impl:
     Ragged batches are skipped (a padded batch would read more bytes than the work needs)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    if inp.window or inp.kv_dtype:
+        raise Skip("sliding window or fp8 KV (SDPA decode takes neither)")
     if len(set(inp.lens)) != 1:
         raise Skip("ragged batch")
     n, b = inp.lens[0], len(inp.lens)
@@ -98,6 +101,8 @@ def xformers_impl(inp: PagedInputs, page: int = 64) -> Impl:
     (its paged path needs page_size % 64 == 0), ``PagedBlockDiagonalPaddedKeysMask``."""
     if inp.device.type != "cuda":
         raise Skip("needs CUDA")
+    if inp.window or inp.kv_dtype:
+        raise Skip("sliding window or fp8 KV (not in its paged split-K decode)")
     from xformers.ops import fmha
     from xformers.ops.fmha import triton_splitk
     lens, b, dev = inp.lens, len(inp.lens), inp.device

@@ -69,6 +69,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, float16, bfloat16")
     e.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    e.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model's dtype) or fp8 (e4m3; fp8_e5m2 too): half the KV memory and bytes read")
     kv = e.add_mutually_exclusive_group()
     kv.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
     kv.add_argument("--kv-memory-fraction", type=float, default=None,
@@ -195,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                   num_blocks=args.num_blocks, kv_memory_fraction=args.kv_memory_fraction,
-                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, cascade=not args.no_cascade)
+                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, cascade=not args.no_cascade,
+                  kv_cache_dtype=args.kv_cache_dtype)
         chat = not args.no_chat and bool(getattr(llm.tokenizer, "chat_template", None))
         prompts = engine_prompts(llm, items, chat, args.system)
         outputs = llm.generate_iter(prompts, params, use_tqdm=not args.quiet, request_ids=[it["id"] for it in items])
@@ -203,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"paged-sample: error: {e}", file=sys.stderr)
         return 2
     say(f"loaded {llm.info.name} in {time.perf_counter() - t0:.1f} s on {llm.device} ({llm.dtype}), "
-        f"KV pool {llm.cache.num_blocks} blocks of {args.block_size}; {'chat template' if chat else 'raw prompts'}")
+        f"KV pool {llm.cache.num_blocks} blocks of {args.block_size} ({str(llm.cache.spec.dtype).replace('torch.', '')}); "
+        f"{'chat template' if chat else 'raw prompts'}")
     by_id = {it["id"]: it for it in items}
     sink = None
     if args.output and args.output != "-":

@@ -53,14 +53,16 @@ class LLM:
     every decode flat. seed: the seed of requests that give none. enforce_eager: on a GPU, flat
     decode steps replay CUDA graphs of the model (captured per padded batch size on first use)
     unless this is True. profile: record each step's host and GPU time in ``last_stats.step_log``
-    (CUDA events; for benchmarks).
+    (CUDA events; for benchmarks). kv_cache_dtype: "auto" (the model's dtype) or "fp8" (e4m3;
+    "fp8_e5m2" too): half the KV bytes per token, so twice the pool and half the bytes every decode
+    step reads; K/V are stored with per-tensor scales of 1.0 (vLLM's default without calibration).
     """
 
     def __init__(self, model=None, *, tokenizer=None, dtype="auto", device=None, block_size: int = 16,
                  num_blocks: int | None = None, kv_memory_fraction: float | None = None, max_num_seqs: int = 256,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, cascade: bool | CascadeCost = True, seed: int = 0,
-                 enforce_eager: bool = False, profile: bool = False):
+                 enforce_eager: bool = False, profile: bool = False, kv_cache_dtype: str = "auto"):
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = models.pick_dtype(dtype, self.device)
         if isinstance(model, torch.nn.Module):
@@ -77,8 +79,8 @@ class LLM:
             raise ValueError(f"block_size must be a power of two in 1..256, got {block_size!r}")
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
-        spec = KVCacheSpec(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim, block_size, self.dtype,
-                           self.device)
+        spec = KVCacheSpec(self.info.num_layers, self.info.num_kv_heads, self.info.head_dim, block_size,
+                           models.pick_kv_cache_dtype(kv_cache_dtype, self.dtype), self.device)
         useful = max_num_seqs * -(-self.max_model_len // block_size) + 1
         self.cache = PagedKVCache(spec, blocks_for(spec, num_blocks=num_blocks, kv_memory_fraction=kv_memory_fraction,
                                                    max_useful_blocks=useful))
@@ -89,12 +91,14 @@ class LLM:
         self._prefix_caching = enable_prefix_caching
         self._new_scheduler()
         self.builder = StepBuilder(self.cache, num_q_heads=self.info.num_q_heads, cascade=bool(cascade),
-                                   cascade_cost=cascade if isinstance(cascade, CascadeCost) else None)
+                                   cascade_cost=cascade if isinstance(cascade, CascadeCost) else None,
+                                   windows=self.info.windows)
         self.sampler = Sampler(self.info.vocab_size, self.device)
         self.graphs = self.choice = None
         if not enforce_eager and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self.model, self.cache, num_q_heads=self.info.num_q_heads,
-                                       max_num_seqs=max_num_seqs, max_model_len=self.max_model_len)
+                                       max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                                       windows=self.info.windows)
             self.choice = PathChoice(self.model, spec.bytes_per_block // block_size, self.device)
         self.requests = RequestMaker(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
                                      np.random.default_rng(seed))
@@ -242,7 +246,7 @@ class LLM:
         if not batch.num_prefill_tokens and self.graphs is not None:
             if self.builder.wants_cascade(batch) and self.choice.cascade(batch):
                 step = self.builder.build(batch)
-            if step is None or step.plan.is_flat:
+            if step is None or not step.is_cascade:
                 logits = self.graphs.run(batch)
                 if logits is not None:
                     return GRAPH, logits
@@ -253,7 +257,7 @@ class LLM:
         with torch.inference_mode():
             logits = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
                                 logits_to_keep=step.logits_indices, paged_step=step).logits[0]
-        return CASCADE if step.kind == CASCADE and not step.plan.is_flat else step.kind, logits
+        return CASCADE if step.is_cascade else step.kind, logits
 
     def _detokenize(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -35,7 +35,7 @@ class _Graph:
     """One captured decode step of ``size`` rows (static buffers, plan, graph, output logits)."""
 
     def __init__(self, model, cache, size: int, width: int, num_q_heads: int, max_seq_len: int, pool,
-                 capture: bool = True):
+                 capture: bool = True, windows=(None,)):
         spec, dev = cache.spec, cache.spec.device
         self.size, self.width = size, width
         # every input in one device buffer, filled by one copy: int64 parts first (aligned views)
@@ -44,10 +44,11 @@ class _Graph:
         # (holding the padding values from the start: a warm-up must write no KV, slot -1)
         self.buffer = torch.from_numpy(self._packed()).to(dev)
         ids, pos, slots, table, lens = self._views()
-        self.plan = pb.plan_decode(np.zeros(size, np.int64), num_q_heads=num_q_heads, num_kv_heads=spec.num_kv_heads,
-                                   head_dim=spec.head_dim, block_size=spec.block_size, device=dev)
+        self.plans = {w: pb.plan_decode(np.zeros(size, np.int64), num_q_heads=num_q_heads,
+                                        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                                        block_size=spec.block_size, device=dev, window=w) for w in windows}
         rows = torch.arange(size, device=dev)
-        self.step = Step(cache, ids, pos, slots, table, lens, None, rows, DECODE, max_seq_len, plan=self.plan)
+        self.step = Step(cache, ids, pos, slots, table, lens, None, rows, DECODE, max_seq_len, plans=self.plans)
         run = lambda: model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=rows,  # noqa: E731
                             paged_step=self.step).logits[0]
         self.graph = None
@@ -90,7 +91,8 @@ class _Graph:
         src = torch.empty(self.buffer.numel(), dtype=torch.uint8, pin_memory=self.buffer.is_cuda)  # reused once copied
         np.concatenate([a.reshape(-1).view(np.uint8) for a in self.host], out=src.numpy())
         self.buffer.copy_(src, non_blocking=True)
-        self.plan.update(lens)
+        for plan in self.plans.values():
+            plan.update(lens)
         with torch.inference_mode():
             self.replay()
         return self.logits[:b]
@@ -100,8 +102,9 @@ class DecodeGraphs:
     """The captured decode steps of one engine, made on first use of each padded size."""
 
     def __init__(self, model, cache, *, num_q_heads: int, max_num_seqs: int, max_model_len: int,
-                 capture: bool = True):
+                 capture: bool = True, windows=(None,)):
         self.model, self.cache, self.num_q_heads, self.capture = model, cache, num_q_heads, capture
+        self.windows = windows  # one decode plan per sliding window (None: full attention)
         self.max_size = padded_size(max_num_seqs)
         self.width = -(-max_model_len // cache.spec.block_size)
         self.max_model_len = max_model_len
@@ -120,7 +123,7 @@ class DecodeGraphs:
             if self.pool is None and self.capture:
                 self.pool = torch.cuda.graph_pool_handle()
             g = self.graphs[size] = _Graph(self.model, self.cache, size, self.width, self.num_q_heads,
-                                           self.max_model_len, self.pool, self.capture)
+                                           self.max_model_len, self.pool, self.capture, self.windows)
         return g.run(batch)
 
 

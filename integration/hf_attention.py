@@ -28,11 +28,6 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if step is None:
         raise RuntimeError(f"attn_implementation={ATTN_IMPLEMENTATION!r} runs inside paged_backend's engine: call the "
                            "model with paged_step=<Step> (see paged_backend.integration.step), or use LLM(...)")
-    # Never run a feature we lack: refuse it (a window no sequence of the step outgrows cuts nothing).
-    window = kwargs.get("sliding_window")
-    if window is not None and window < step.max_seq_len:
-        raise NotImplementedError(f"{type(module).__name__} (layer {module.layer_idx}) asks for sliding_window="
-                                  f"{window!r}, which the paged backend does not support yet")
     if kwargs.get("is_causal", True) is False or attention_mask is not None:
         raise NotImplementedError(f"{type(module).__name__} (layer {module.layer_idx}) asks for a non-causal or "
                                   "masked attention; the paged backend runs causal attention over packed rows")
@@ -41,7 +36,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     sinks = kwargs.get("s_aux")
     out = step.attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                       scaling, softcap=kwargs.get("softcap"),  # (Gemma 2's logit soft-capping, or None)
-                      sinks=None if sinks is None else sinks.float())  # gpt-oss's per-head sinks
+                      sinks=None if sinks is None else sinks.float(),  # gpt-oss's per-head sinks
+                      window=kwargs.get("sliding_window"))  # (the layer's window, or None: full attention)
     return out.unsqueeze(0), None
 
 
@@ -56,21 +52,21 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]
 
 
-def sliding_windows(model: torch.nn.Module) -> set[int]:
-    """The sliding windows the layers pass to attention: a module's own ``sliding_window`` (Qwen2,
-    Qwen3: None on full-attention layers), else its config's (Mistral, Phi-3)."""
+def layer_windows(model: torch.nn.Module) -> set[int | None]:
+    """The sliding windows the layers pass to attention, None for a full-attention layer: a module's
+    own ``sliding_window`` (Qwen2, Gemma 2/3, gpt-oss: None on full-attention layers), else its
+    config's (Mistral, Phi-3)."""
     found = set()
     for m in attention_modules(model):
         w = m.sliding_window if hasattr(m, "sliding_window") else getattr(getattr(m, "config", None),
                                                                             "sliding_window", None)
-        if w is not None:
-            found.add(int(w))
+        found.add(None if w is None else int(w))
     return found
 
 
-def unsupported_features(model: torch.nn.Module, max_model_len: int) -> list[str]:
+def unsupported_features(model: torch.nn.Module) -> list[str]:
     """What a loaded causal LM needs that the paged backend lacks, one phrase per feature (empty if
-    none). A sliding window at least ``max_model_len`` long never cuts, so it is not listed."""
+    none). Sliding windows, soft-capping and sinks are run."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     found = []
     if not getattr(type(model), "is_backend_compatible", lambda: False)():
@@ -87,8 +83,4 @@ def unsupported_features(model: torch.nn.Module, max_model_len: int) -> list[str
         if getattr(m, "is_causal", True) is False:
             found.append(f"non-causal attention ({type(m).__name__})")
             break
-    windows = {w for w in sliding_windows(model) if w < max_model_len}
-    if windows:
-        found.append(f"sliding-window attention (window {min(windows)} < max_model_len {max_model_len}; "
-                     f"max_model_len <= {min(windows)} would run it exactly)")
     return found

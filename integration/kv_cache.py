@@ -2,7 +2,9 @@
 
 ``kv [L, 2, NB, BS, Hkv, D]``; ``k[l]`` / ``v[l]`` are ``[NB, BS, Hkv, D]`` views, the layout
 ``pb.write_kv`` / ``pb.paged_decode`` take. The pool is ``torch.empty``: slots no request owns
-hold garbage, which the ops never use (docs/kv_layout.md).
+hold garbage, which the ops never use (docs/kv_layout.md). An fp8 pool (half the bytes of bf16)
+stores K and V with per-tensor scales of 1.0, as vLLM's ``kv_cache_dtype="fp8"`` does without
+calibrated scales: values beyond the format's range (448 for e4m3) saturate.
 """
 from __future__ import annotations
 
@@ -82,6 +84,8 @@ class PagedKVCache:
                              f" does not fit on {spec.device}; lower num_blocks or kv_memory_fraction") from e
         self.k = list(self.kv[:, 0].unbind(0))  # L x [NB, BS, Hkv, D]
         self.v = list(self.kv[:, 1].unbind(0))
+        # what write_kv and the attention ops take with this cache: an fp8 one's scales
+        self.scales = dict(k_scale=1.0, v_scale=1.0) if spec.dtype.itemsize == 1 else {}
 
     @property
     def nbytes(self) -> int:

@@ -34,6 +34,7 @@ class LoadedModel:
     vocab_size: int
     max_position_embeddings: int | None
     eos_token_ids: tuple[int, ...]
+    windows: tuple = (None,)  # the layers' sliding windows that cut (< max_model_len); None: full attention
 
 
 def default_model_path() -> Path | None:
@@ -74,6 +75,18 @@ def resolve(model: str | os.PathLike | None) -> tuple[Path, str | None]:
         raise ValueError(f"model directory {str(model)!r} has {what}")
     raise FileNotFoundError(f"model {str(model)!r} is neither a local model directory nor a .gguf file "
                             f"(nothing is downloaded; the default model comes from `{DEFAULT_MODEL_HINT}`)")
+
+
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def pick_kv_cache_dtype(kv_cache_dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """"auto": the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2": an fp8 cache (vLLM's names)."""
+    if kv_cache_dtype in (None, "auto"):
+        return model_dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 def pick_dtype(dtype, device: torch.device) -> torch.dtype:
@@ -120,13 +133,13 @@ def describe(net: torch.nn.Module, tokenizer, name: str, max_model_len: int | No
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     ctx = getattr(cfg, "max_position_embeddings", None)
     if max_model_len is None:
-        max_model_len = min([ctx or 4096, *hf_attention.sliding_windows(net)])  # a window that never cuts is exact
+        max_model_len = ctx or 4096
     elif isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
         raise ValueError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
     elif ctx and max_model_len > ctx:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {ctx} "
                          "(max_position_embeddings)")
-    problems = hf_attention.unsupported_features(net, max_model_len)
+    problems = hf_attention.unsupported_features(net)
     if head_dim not in HEAD_DIMS:
         problems.append(f"head dim {head_dim} (supported: {', '.join(map(str, HEAD_DIMS))})")
     if problems:
@@ -135,6 +148,8 @@ def describe(net: torch.nn.Module, tokenizer, name: str, max_model_len: int | No
     for src in (getattr(getattr(net, "generation_config", None), "eos_token_id", None), cfg.eos_token_id,
                 getattr(tokenizer, "eos_token_id", None)):
         eos.update([src] if isinstance(src, int) else (src or []))
+    # a window of max_model_len or more never cuts: such layers share the full-attention plans
+    windows = {w if w is not None and w < max_model_len else None for w in hf_attention.layer_windows(net)}
     info = LoadedModel(net, tokenizer, name, cfg.num_hidden_layers, hq, hkv, head_dim, cfg.vocab_size, ctx,
-                       tuple(sorted(eos)))
+                       tuple(sorted(eos)), tuple(sorted(windows, key=lambda w: -1 if w is None else w)))
     return info, max_model_len

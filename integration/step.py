@@ -7,7 +7,9 @@ runs - ``pb.paged_decode`` with a ``DecodePlan`` (decode-only steps), ``pb.casca
 ``CascadePlan`` (decode-only steps whose rows share prompt blocks), or ``pb.paged_prefill`` (steps
 with prefill chunks; its decode rows are queries of length 1). Plans carry over between
 consecutive decode steps: ``DecodePlan.update`` while the batch size stays, and the cascade forest
-through ``forest=`` / ``forest_rows=`` while samples only finish.
+through ``forest=`` / ``forest_rows=`` while samples only finish. A model whose layers use sliding
+windows gets one plan per distinct window (None: the full-attention layers'), each layer reading
+its own.
 """
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ class Step:
     input_ids, positions [1, T] int64; slot_mapping [T] int64; block_table [B, M] int32;
     seq_lens [B] int32; query_start_loc [B+1] int32; logits_indices [R] int64 (the last token of
     each row that samples). ``kind``: DECODE, CASCADE or PREFILL; ``max_seq_len``: the longest
-    row; ``plan``: the step's DecodePlan or CascadePlan (None for PREFILL). Host copies for validation without a sync: seq_lens_cpu,
-    query_start_loc_cpu.
+    row; ``plans``: the step's DecodePlans or CascadePlans by sliding window (None: full attention;
+    empty for PREFILL); a layer whose window is not a key never cuts a row and reads ``plans[None]``.
+    Host copies for validation without a sync: seq_lens_cpu, query_start_loc_cpu.
     """
     cache: PagedKVCache
     input_ids: torch.Tensor
@@ -44,33 +47,44 @@ class Step:
     logits_indices: torch.Tensor
     kind: str
     max_seq_len: int
-    plan: object = None
+    plans: dict = field(default_factory=dict)
     seq_lens_cpu: np.ndarray = field(default=None, repr=False)
     query_start_loc_cpu: np.ndarray = field(default=None, repr=False)
     attend_events: list | None = field(default=None, repr=False)  # profiling: (start, end) CUDA events per layer
 
+    @property
+    def is_cascade(self) -> bool:
+        """A decode step some of whose layers share prefixes (a cascade plan that kept a node)."""
+        return self.kind == CASCADE and any(not p.is_flat for p in self.plans.values())
+
     def attend(self, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-               softcap: float | None = None, sinks: torch.Tensor | None = None):
+               softcap: float | None = None, sinks: torch.Tensor | None = None, window: int | None = None):
         """Writes this step's new K/V of ``layer`` and returns the attention of ``q``: q [T, Hq, D],
-        key/value [T, Hkv, D] (any strides) -> out [T, Hq, D]. ``softcap``, ``sinks [Hq]`` fp32: logit
-        soft-capping and attention sinks (None: none)."""
+        key/value [T, Hkv, D] (any strides) -> out [T, Hq, D]. ``softcap``, ``sinks [Hq]`` fp32,
+        ``window``: logit soft-capping, attention sinks and the layer's sliding window (None: none)."""
         if self.attend_events is not None:
             ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             ev[0].record()
             self.attend_events.append(ev)
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        pb.write_kv(key, value, k_cache, v_cache, self.slot_mapping)
+        scales = self.cache.scales  # (an fp8 cache's k_scale, v_scale)
+        pb.write_kv(key, value, k_cache, v_cache, self.slot_mapping, **scales)
         if self.kind == DECODE:
-            out = pb.paged_decode(q, k_cache, v_cache, self.block_table, self.seq_lens, scale=scale, plan=self.plan,
-                                  return_lse=False, softcap=softcap, sinks=sinks)
+            window = window if window in self.plans else None  # (a window no row outgrows: the full plan)
+            out = pb.paged_decode(q, k_cache, v_cache, self.block_table, self.seq_lens, scale=scale,
+                                  plan=self.plans[window], return_lse=False, softcap=softcap, sinks=sinks, window=window,
+                                  **scales)
         elif self.kind == CASCADE:
-            out = pb.cascade_decode(q, k_cache, v_cache, self.plan, return_lse=False, scale=scale, softcap=softcap,
-                                    sinks=sinks)
+            window = window if window in self.plans else None
+            out = pb.cascade_decode(q, k_cache, v_cache, self.plans[window], return_lse=False, scale=scale,
+                                    softcap=softcap, sinks=sinks, window=window, **scales)
         else:
             out = pb.paged_prefill(q, k_cache, v_cache, self.block_table, self.seq_lens, self.query_start_loc,
                                    causal=True, return_lse=False, scale=scale,
                                    query_start_loc_cpu=self.query_start_loc_cpu, seq_lens_cpu=self.seq_lens_cpu,
-                                   softcap=softcap, sinks=sinks)
+                                   softcap=softcap, sinks=sinks,
+                                   window=window if window is not None and window < self.max_seq_len else None,
+                                   **scales)
         if self.attend_events is not None:
             self.attend_events[-1][1].record()
         return out
@@ -100,15 +114,18 @@ class StepBuilder:
     decode step to carry them over."""
 
     def __init__(self, cache: PagedKVCache, *, num_q_heads: int, cascade: bool = True,
-                 cascade_cost: CascadeCost | None = None):
+                 cascade_cost: CascadeCost | None = None, windows=(None,)):
+        """``windows``: the layers' sliding windows that cut (< max_model_len), None for the layers
+        of full attention (or whose window never cuts): one plan per entry."""
         self.cache = cache
         spec = cache.spec
         self.shape = dict(num_q_heads=num_q_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                           block_size=spec.block_size, device=spec.device)
         self.cascade = cascade
         self.cascade_cost = cascade_cost
-        self._decode_plans: dict[int, pb.DecodePlan] = {}  # batch size -> plan (kept buffers)
-        self._forest: pb.CascadePlan | None = None          # the last decode step's cascade plan
+        self.windows = tuple(windows)
+        self._decode_plans: dict[tuple, pb.DecodePlan] = {}  # (batch size, window) -> plan (kept buffers)
+        self._forest: dict = {}                             # window -> the last decode step's cascade plan
         self._forest_ids: np.ndarray | None = None          # and its rows' seq ids
 
     def wants_cascade(self, batch) -> bool:
@@ -127,35 +144,41 @@ class StepBuilder:
         step = Step(self.cache, ids, pos, slots, table, lens, qsl_d, logit_rows, PREFILL, int(batch.seq_lens.max()),
                     seq_lens_cpu=batch.seq_lens, query_start_loc_cpu=qsl)
         if batch.num_prefill_tokens:
-            self._forest = self._forest_ids = None  # shared blocks may change: plan anew later
+            self._forest, self._forest_ids = {}, None  # shared blocks may change: plan anew later
             return step
         if self.wants_cascade(batch):
-            step.kind, step.plan = CASCADE, self._cascade_plan(batch, table)
+            step.kind, step.plans = CASCADE, self._cascade_plans(batch, table)
         else:
-            self._forest = self._forest_ids = None
-            step.kind, step.plan = DECODE, self._decode_plan(batch.seq_lens)
+            self._forest, self._forest_ids = {}, None
+            step.kind, step.plans = DECODE, {w: self._decode_plan(batch.seq_lens, w) for w in self.windows}
         return step
 
-    def _decode_plan(self, lens: np.ndarray) -> pb.DecodePlan:
-        plan = self._decode_plans.get(lens.size)
+    def _decode_plan(self, lens: np.ndarray, window: int | None) -> pb.DecodePlan:
+        plan = self._decode_plans.get((lens.size, window))
         if plan is None:
-            if len(self._decode_plans) >= 8:  # a few batch sizes recur; keep their buffers
+            if len(self._decode_plans) >= 8 * len(self.windows):  # a few batch sizes recur; keep their buffers
                 self._decode_plans.pop(next(iter(self._decode_plans)))
-            plan = self._decode_plans[lens.size] = pb.plan_decode(lens, **self.shape)
+            plan = self._decode_plans[lens.size, window] = pb.plan_decode(lens, window=window, **self.shape)
             return plan
         return plan.update(lens)
 
-    def _cascade_plan(self, batch, table: torch.Tensor) -> pb.CascadePlan:
+    def _cascade_plans(self, batch, table: torch.Tensor) -> dict:
+        """One CascadePlan per window, each from the last step's of that window where it carries over."""
         kw = dict(self.shape, cost=self.cascade_cost, block_table_device=table)
         ids = batch.seq_ids
-        if self._forest is not None:
+        if self._forest:
             if np.array_equal(ids, self._forest_ids):
-                kw["forest"] = self._forest
+                kw["forest_rows"] = None
             else:
                 where = {int(s): i for i, s in enumerate(self._forest_ids)}
                 rows = np.fromiter((where.get(int(s), -1) for s in ids), np.int64, ids.size)
                 if (rows >= 0).all():  # only finished samples left the batch: keep the forest
-                    kw["forest"], kw["forest_rows"] = self._forest, rows
-        plan = pb.plan_cascade(batch.block_tables, batch.seq_lens, **kw)
-        self._forest, self._forest_ids = plan, ids
-        return plan
+                    kw["forest_rows"] = rows
+        plans = {}
+        for w in self.windows:
+            forest = self._forest.get(w) if "forest_rows" in kw else None
+            plans[w] = pb.plan_cascade(batch.block_tables, batch.seq_lens, window=w,
+                                       **(dict(kw, forest=forest) if forest is not None else
+                                          {k: v for k, v in kw.items() if k != "forest_rows"}))
+        self._forest, self._forest_ids = plans, ids
+        return plans

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from paged_backend.kernels.attend import LOG2E, attend_paged_range, fast_tanh, sink_states, soft_cap
+from paged_backend.kernels.attend import (LOG2E, attend_paged_range, dequantized, fast_tanh, fp8_mma_f16, mma_operand,
+                                          sink_states, soft_cap)
 from paged_backend.kernels.decode import call_key, fold_states, remember, run_pieces
 from paged_backend.kernels.dispatch import use_pdl
 from paged_backend.kernels.launch import launch, pow2, replay_stream
@@ -39,8 +40,8 @@ _NODE_WARPS = {16: 4, 32: 4, 64: 4, 128: 8, 256: 16}
 
 @triton.jit
 def _cascade_node_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, members_ptr, work_ptr, prog_ptr, po_ptr, plse_ptr,
-    sm_scale, cap,
+    q_ptr, k_ptr, v_ptr, bt_ptr, members_ptr, work_ptr, prog_ptr, po_ptr, plse_ptr, seq_lens_ptr, ks_ptr, vs_ptr,
+    sm_scale, cap, window,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -49,7 +50,8 @@ def _cascade_node_kernel(
     stride_plp, stride_plh,
     GROUP: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, PDL: tl.constexpr,
+    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr, SCALED: tl.constexpr,
+    F16: tl.constexpr,
 ):
     if PDL:  # the tails (and the merge) may launch now: they wait for this grid where they must
         gdc_launch_dependents()
@@ -62,6 +64,10 @@ def _cascade_node_kernel(
     hh = offs_m % GP    # query head within the KV group
     d_ok = offs_d < D
     qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+    v_scale = 1.0
+    if SCALED:  # an fp8 cache (as in the decode kernel)
+        qk_scale = qk_scale * tl.load(ks_ptr)
+        v_scale = tl.load(vs_ptr)
     for p in range(p_lo, p_hi):
         w = work_ptr + p * 7  # (rep request, kv_head, member base, members, token_start, token_end, slot base)
         rep = tl.load(w).to(tl.int64)
@@ -75,21 +81,31 @@ def _cascade_node_kernel(
         row_ok = m_ok & (hh < GROUP)
         req = tl.load(members_ptr + mbase + mem, mask=m_ok, other=0).to(tl.int64)
         qh = kvh * GROUP + hh
-        q = tl.load(q_ptr + req[:, None] * stride_qb + qh[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        o, lse = attend_paged_range(q, k_ptr, v_ptr, bt_ptr + rep * stride_btb, start, end, end, kvh, offs_d, d_ok,
-                                    qk_scale, cap, stride_kb, stride_ks, stride_kh, stride_kd,
+        q = mma_operand(tl.load(q_ptr + req[:, None] * stride_qb + qh[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                                mask=row_ok[:, None] & d_ok[None, :], other=0.0), F16)
+        row_lo = start
+        if WINDOW:  # each member attends only its last `window` keys: a row's own lower bound
+            row_lo = tl.maximum(tl.load(seq_lens_ptr + req, mask=m_ok, other=0) - window, 0)
+        o, lse = attend_paged_range(q, k_ptr, v_ptr, bt_ptr + rep * stride_btb, start, end, end, row_lo, kvh, offs_d,
+                                    d_ok, qk_scale, cap, stride_kb, stride_ks, stride_kh, stride_kd,
                                     stride_vb, stride_vs, stride_vh, stride_vd, stride_btn,
-                                    BS, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, SOFTCAP, FAST_TANH)
+                                    BS, BLOCK_M, BLOCK_N, BLOCK_D, IEEE, SOFTCAP, FAST_TANH, WINDOW)
+        if SCALED:
+            o = o * v_scale
         slot = (slot_base + mem).to(tl.int64)
         tl.store(po_ptr + slot[:, None] * stride_pop + hh[:, None] * stride_poh + offs_d[None, :] * stride_pod,
                  o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(plse_ptr + slot * stride_plp + hh * stride_plh, lse, mask=row_ok)
 
 
-def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: float = 0.0, sinks=None):
+def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: float = 0.0, sinks=None,
+                   scales=(None, None)):
     """q [B, Hq, D]; caches [NB, BS, Hkv, D]; a non-flat CascadePlan; writes out [B, Hq, D], lse [B, Hq].
-    ``softcap`` > 0: scores soft-capped (0: none); ``sinks [Hq]`` fp32 or None."""
+    ``softcap`` > 0: scores soft-capped (0: none); ``sinks [Hq]`` fp32 or None. With the plan's
+    sliding window, node rows mask the keys before their member's window (the plan trimmed each
+    node to its members' windows and dropped nodes no window reaches) and the tails' ranges
+    start at the window. ``scales``: an fp8 cache's ``(k_scale, v_scale)`` ``[1]`` fp32 tensors, or
+    ``(None, None)``."""
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -110,7 +126,7 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
     relaunches = None
     if one_stream:
         key, ptrs = call_key((q, k_cache, v_cache, bt, sl, out, lse), scale, softcap, pdl,  # (bt, sl: the plan's)
-                             sinks is not None and sinks.data_ptr())
+                             sinks is not None and sinks.data_ptr(), *(s is not None and s.data_ptr() for s in scales))
         relaunches = plan.launches.get(key)
     if relaunches is not None:
         stream = replay_stream(relaunches)
@@ -127,17 +143,21 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
         bm = plan.block_m
         bound = launch(
             _cascade_node_kernel, (plan.node_programs,),
-            q, k_cache, v_cache, bt, v["members"], v["node_work"], v["node_prog_ptr"], po, plse, scale,
-            softcap * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(), *po.stride(),
+            q, k_cache, v_cache, bt, v["members"], v["node_work"], v["node_prog_ptr"], po, plse, sl,
+            *(plse if s is None else s for s in scales), scale,
+            softcap * LOG2E, plan.window or 0, *q.stride(), *k_cache.stride(), *v_cache.stride(), *bt.stride(), *po.stride(),
             *plse.stride(),
             GROUP=group, GP=gp, BS=bs, D=d, BLOCK_M=bm, BLOCK_N=plan.node_block_n, BLOCK_D=block_d, IEEE=ieee,
-            SOFTCAP=softcap > 0, FAST_TANH=fast_tanh(q), PDL=pdl, num_warps=_NODE_WARPS[bm], num_stages=3,
+            SOFTCAP=softcap > 0, FAST_TANH=fast_tanh(q), PDL=pdl, WINDOW=bool(plan.window), SCALED=scales[0] is not None,
+            F16=fp8_mma_f16(q, k_cache),
+            num_warps=_NODE_WARPS[bm], num_stages=3,
         )
         return bound and bound.lead(3)
 
     def tails(beside_prior=False):  # private tails: decode pieces that only write partial states
         return run_pieces(q, k_cache, v_cache, bt, sl, out, lse, po, plse, v["leaf_work"], v["leaf_prog_ptr"],
-                          plan.leaf_programs, plan.block_n, scale, pdl, beside_prior=beside_prior, softcap=softcap)
+                          plan.leaf_programs, plan.block_n, scale, pdl, beside_prior=beside_prior, softcap=softcap,
+                          scales=scales)
 
     if one_stream:
         # With PDL the tails start during the node kernel (they write other slots) and end after
@@ -180,10 +200,13 @@ def _merge_into(run_lse, run_o, idx, lse, o):
 
 def _attend(qg, k, v, live, scale, softcap):
     """qg [n, Hkv, g, D], k/v [n or 1, L, Hkv, D], live [n or 1, L] -> lse [n, Hkv*g], o [n, Hkv*g, D].
-    The values of slots that are not live are zeroed first (in place: fresh gathers): they may hold
+    The values of slots no row attends are zeroed first (in place: fresh gathers): they may hold
     NaN, and a zero weight times NaN is NaN. Their scores are masked."""
     if not live.all():
-        v[~live.expand(v.shape[0], -1)] = 0.0
+        if v.shape[0] == live.shape[0]:
+            v[~live] = 0.0
+        else:  # values shared by all rows
+            v[:, ~live.any(0)] = 0.0
     s = torch.einsum("nhgd,mlhd->nhgl", qg, k) if k.shape[0] == 1 else torch.einsum("nhgd,nlhd->nhgl", qg, k)
     s = soft_cap(s * scale, softcap).masked_fill(~live[:, None, None, :], float("-inf"))
     l_ = torch.logsumexp(s, dim=-1)
@@ -193,7 +216,8 @@ def _attend(qg, k, v, live, scale, softcap):
     return l_.reshape(n, -1), o.reshape(n, -1, qg.shape[-1])
 
 
-def cascade_torch(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: float = 0.0, sinks=None):
+def cascade_torch(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: float = 0.0, sinks=None,
+                  scales=(None, None)):
     """Vectorised torch version (CPU tensors), through the plan's node/tail decomposition: each
     node's K/V is gathered once and attended by all its requests; tails are gathered per request."""
     b, hq, d = q.shape
@@ -206,12 +230,14 @@ def cascade_torch(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: fl
     for members, t0, t1 in plan.nodes():
         mem = torch.from_numpy(members.astype("int64"))
         pages = bt[int(members[0]), t0 // bs: t1 // bs]
-        k = k_cache[pages].flatten(0, 1).float()[None]  # [1, L, Hkv, D]
-        vv = v_cache[pages].flatten(0, 1).float()[None]
+        k = dequantized(k_cache[pages].flatten(0, 1), scales[0])[None]  # [1, L, Hkv, D]
+        vv = dequantized(v_cache[pages].flatten(0, 1), scales[1])[None]
         live = torch.ones(1, t1 - t0, dtype=torch.bool)
+        if plan.window:  # each member's keys from its window's start
+            live = torch.arange(t0, t1)[None, :] >= torch.from_numpy(plan.window_start()[members])[:, None]
         l_, o = _attend(qf[mem].view(-1, hkv, group, d), k, vv, live, scale, softcap)
         _merge_into(run_lse, run_o, mem, l_, o)
-    starts = torch.from_numpy(plan.shared_len_host.astype("int64"))
+    starts = torch.from_numpy(plan.tail_start())
     lens = torch.from_numpy(plan.seq_lens_host.astype("int64"))
     tail = lens - starts
     max_t = int(tail.max()) if b else 0
@@ -224,8 +250,8 @@ def cascade_torch(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: fl
             col = torch.where(live, pos // bs, 0)
             pages = torch.where(live, torch.gather(bt[c:c + per], 1, col.clamp(max=bt.shape[1] - 1)), 0)
             rows = torch.where(live, pos % bs, 0)
-            k = k_cache[pages, rows].float()  # [n, T, Hkv, D]
-            vv = v_cache[pages, rows].float()
+            k = dequantized(k_cache[pages, rows], scales[0])  # [n, T, Hkv, D]
+            vv = dequantized(v_cache[pages, rows], scales[1])
             l_, o = _attend(qf[c:c + per].view(-1, hkv, group, d), k, vv, live, scale, softcap)
             _merge_into(run_lse, run_o, torch.arange(c, c + l_.shape[0]), l_, o)
     sink_states(run_o, run_lse, sinks)

@@ -8,11 +8,14 @@ the GPU) run only when ``PAGED_BACKEND_DEBUG=1``.
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # KV caches only: q and outputs stay in a float dtype
+CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 HEAD_DIMS = (64, 80, 96, 128, 256)
 
 
@@ -42,8 +45,8 @@ def check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
 
 def check_kv_cache(k_cache, v_cache, device=None) -> tuple[int, int, int, int]:
     """Returns ``(NB, BS, Hkv, D)`` of a ``[NB, BS, Hkv, D]`` cache pair (any strides)."""
-    check_tensor("k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, device=device)
-    check_tensor("v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES, device=k_cache.device)
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=CACHE_DTYPES, device=device)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=CACHE_DTYPES, device=k_cache.device)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {list(v_cache.shape)} must equal k_cache shape {list(k_cache.shape)}")
     if v_cache.dtype != k_cache.dtype:
@@ -73,6 +76,28 @@ def check_softcap(softcap) -> float:
     return 0.0 if softcap is None else _positive_float("softcap", softcap, " (or None for no capping)")
 
 
+def check_window(window) -> int:
+    """``window`` None (full attention) or an int >= 1: a query at position ``p`` attends the keys
+    at positions ``p - window < pos <= p`` (``window`` keys, itself included: vLLM's
+    ``sliding_window``, transformers' ``config.sliding_window``, FlashInfer's ``window_left + 1``).
+    -> the int the kernels take (0: none)."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)):
+        raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1 (keys attended, the query's own included) or None, got {window}")
+    return int(window)
+
+
+def check_plan_window(name: str, plan, window: int) -> None:
+    """A plan partitions each request's last ``plan.window`` keys (None: all): it must be made
+    for the call's window (``window`` as from :func:`check_window`, 0: none)."""
+    if (plan.window or 0) != window:
+        raise ValueError(f"{name} was made with window={plan.window} but this call has window={window or None}; "
+                         f"make it with the same window (one plan per distinct window of a model's layers)")
+
+
 def check_sinks(sinks, num_q_heads: int, device) -> torch.Tensor | None:
     """``sinks``: None, or ``[Hq]`` float32 logits on ``device``, one per query head (stride 1).
     Values are not read (no sync); a non-finite sink gives non-finite results."""
@@ -83,6 +108,41 @@ def check_sinks(sinks, num_q_heads: int, device) -> torch.Tensor | None:
     if num_q_heads > 1 and sinks.stride(0) != 1:
         raise ValueError(f"sinks must be contiguous (stride 1), got stride {sinks.stride(0)}")
     return sinks
+
+
+@lru_cache(maxsize=64)
+def _scale_tensor(value: float, device: torch.device) -> torch.Tensor:
+    """A float scale as the ``[1]`` fp32 device tensor the kernels read (one copy per value)."""
+    t = torch.tensor([value], dtype=torch.float32, device=device)
+    t.requires_grad_(False)
+    return t
+
+
+def check_kv_scales(k_cache, k_scale, v_scale):
+    """Dequantization scales of an fp8 cache (a stored value times its scale is the real one), as
+    vLLM passes them: each a positive finite float, or a float32 tensor of one element on the
+    cache's device (its value is read only when on the host or with ``PAGED_BACKEND_DEBUG=1``);
+    None means 1.0. A cache of another dtype takes none. -> ``(k_scale, v_scale)`` as ``[1]``
+    float32 tensors on the cache's device, or ``(None, None)`` for a cache that is not fp8."""
+    if k_cache.dtype not in FP8_DTYPES:
+        for name, val in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if val is not None:
+                raise ValueError(f"{name} is for fp8 caches only (the cache is {k_cache.dtype}); pass None")
+        return None, None
+    return tuple(_one_scale(name, val, k_cache.device) for name, val in (("k_scale", k_scale), ("v_scale", v_scale)))
+
+
+def _one_scale(name: str, val, device) -> torch.Tensor:
+    if val is None:
+        return _scale_tensor(1.0, device)
+    if isinstance(val, torch.Tensor):
+        check_tensor(name, val, dtypes=(torch.float32,), device=device)
+        if val.numel() != 1:
+            raise ValueError(f"{name} must hold one element (a per-tensor scale), got shape {list(val.shape)}")
+        if val.device.type == "cpu" or debug_enabled():
+            _positive_float(name, float(val.reshape(-1)[0]))
+        return val.reshape(1)
+    return _scale_tensor(_positive_float(name, val), device)
 
 
 def check_scale(scale, head_dim: int) -> float:
@@ -137,10 +197,11 @@ def check_block_table(block_table, seq_lens, num_blocks: int, block_size: int, b
 
 
 def check_attention_inputs(q, k_cache, v_cache, scale):
-    """q [*, Hq, D] against a ``[NB, BS, Hkv, D]`` cache pair -> ``(NB, BS, Hkv, D, Hq, scale)``."""
+    """q [*, Hq, D] against a ``[NB, BS, Hkv, D]`` cache pair -> ``(NB, BS, Hkv, D, Hq, scale)``.
+    An fp8 cache takes queries of any float dtype; any other cache, queries of its own dtype."""
     nb, bs, hkv, d = check_kv_cache(k_cache, v_cache)
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, device=k_cache.device)
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and k_cache.dtype not in FP8_DTYPES:
         raise TypeError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
     check_shape("q", q, (None, None, d))
     hq = q.shape[1]

@@ -88,4 +88,6 @@ def copy_blocks_torch(k_caches, v_caches, block_copies):
     if src.numel() == 0:
         return
     for cache in (*k_caches, *v_caches):
+        if cache.element_size() == 1:  # fp8: torch's CPU index_copy_ has no fp8 kernels; the bytes are the same
+            cache = cache.view(torch.uint8)
         cache.index_copy_(0, dst, cache.index_select(0, src))

@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from paged_backend.kernels.attend import LOG2E, add_sink, attend_paged_range, fast_tanh, sink_states, soft_cap
+from paged_backend.kernels.attend import (LOG2E, add_sink, attend_paged_range, dequantized, fast_tanh, fp8_mma_f16,
+                                          mma_operand, sink_states, soft_cap)
 from paged_backend.kernels.dispatch import num_sms, use_pdl
 from paged_backend.kernels.launch import Relaunch, launch, pow2, replay_stream
 
@@ -22,8 +23,8 @@ from paged_backend.kernels.launch import Relaunch, launch, pow2, replay_stream
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,  # a call's own tensors first (run_pieces)
-    work_ptr, prog_ptr, po_ptr, plse_ptr, sinks_ptr,
-    sm_scale, cap, max_tokens,
+    work_ptr, prog_ptr, po_ptr, plse_ptr, sinks_ptr, ks_ptr, vs_ptr,
+    sm_scale, cap, max_tokens, window,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -35,7 +36,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr,
-    WAIT_AT_END: tl.constexpr,
+    WAIT_AT_END: tl.constexpr, WINDOW: tl.constexpr, SCALED: tl.constexpr, F16: tl.constexpr,
 ):
     if PDL:  # let the fold kernel launch now; it waits for this grid's writes (gdc_wait)
         gdc_launch_dependents()
@@ -47,24 +48,41 @@ def _decode_kernel(
     h_ok = offs_h < GROUP
     d_ok = offs_d < D
     qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+    v_scale = 1.0
+    if SCALED:  # an fp8 cache: k's scale folds into the scores' scale, v's into the output
+        qk_scale = qk_scale * tl.load(ks_ptr)
+        v_scale = tl.load(vs_ptr)
     for p in range(p_lo, p_hi):
         w = work_ptr + p * 5  # (request, kv_head, token_start, token_end, slot)
         b = tl.load(w).to(tl.int64)
         kvh = tl.load(w + 1).to(tl.int64)
         start = tl.load(w + 2)
+        plan_end = tl.load(w + 3)
+        if WINDOW:
+            # A window plan partitions each request's last keys as [0, min(len, window)): shifted
+            # here by the device length, so a plan from upper bounds still covers [len - window, len).
+            seq_len = tl.load(seq_lens_ptr + b * stride_sl)
+            lo = tl.maximum(seq_len - window, 0)
+            start += lo
+            plan_end += lo
         # The device lengths bound the range too: a plan made from upper bounds stays exact,
         # and nothing past the table's capacity is ever read. Page ids are read up to the plan's
         # bound, so the first of them does not wait for the length (one dependent load fewer).
-        bt_end = tl.minimum(tl.load(w + 3), max_tokens)
-        end = tl.minimum(bt_end, tl.load(seq_lens_ptr + b * stride_sl))
+        bt_end = tl.minimum(plan_end, max_tokens)
+        if WINDOW:
+            end = tl.minimum(bt_end, seq_len)
+        else:
+            end = tl.minimum(bt_end, tl.load(seq_lens_ptr + b * stride_sl))
         slot = tl.load(w + 4)
         qh = kvh * GROUP + offs_h  # query heads of this KV head  [BLOCK_H]
-        q = tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                    mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-        o, lse = attend_paged_range(q, k_ptr, v_ptr, bt_ptr + b * stride_btb, start, end, bt_end, kvh, offs_d, d_ok,
-                                    qk_scale, cap, stride_kb, stride_ks, stride_kh, stride_kd,
+        q = mma_operand(tl.load(q_ptr + b * stride_qb + qh[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                                mask=h_ok[:, None] & d_ok[None, :], other=0.0), F16)
+        o, lse = attend_paged_range(q, k_ptr, v_ptr, bt_ptr + b * stride_btb, start, end, bt_end, start, kvh, offs_d,
+                                    d_ok, qk_scale, cap, stride_kb, stride_ks, stride_kh, stride_kd,
                                     stride_vb, stride_vs, stride_vh, stride_vd, stride_btn,
-                                    BS, BLOCK_H, BLOCK_N, BLOCK_D, IEEE, SOFTCAP, FAST_TANH)
+                                    BS, BLOCK_H, BLOCK_N, BLOCK_D, IEEE, SOFTCAP, FAST_TANH, False)
+        if SCALED:
+            o = o * v_scale
         o_mask = h_ok[:, None] & d_ok[None, :]
         if slot < 0:  # the segment's only piece: write the output itself
             if SINKS:
@@ -144,7 +162,8 @@ def _fold_states_kernel(
 
 def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, partial_lse, work, prog_ptr,
                num_programs: int, block_n: int, scale: float, pdl: bool, num_warps: int = 4, num_stages: int = 3,
-               beside_prior: bool = False, softcap: float = 0.0, sinks=None) -> Relaunch | None:
+               beside_prior: bool = False, softcap: float = 0.0, sinks=None, window: int = 0,
+               scales=(None, None)) -> Relaunch | None:
     """Launches ``num_programs`` programs over decode pieces ``work [P, 5] int32`` (request, kv_head,
     token_start, token_end, slot). A piece with slot < 0 writes ``out``/``lse`` rows; one with a
     slot writes ``partial_o [P, group, D]``/``partial_lse [P, group]`` fp32. Tuned on an H200.
@@ -153,7 +172,10 @@ def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, 
     it. (Launching a decode early and waiting for the previous kernel before reading q was slower
     everywhere on an H100.) -> this launch again for new ``(q, k_cache, v_cache, block_table,
     seq_lens, out, lse)``, where it can go direct. ``softcap`` > 0 soft-caps the scores; ``sinks [Hq]``
-    fp32 (or None) are added to the denominators of the states written to ``out``/``lse``."""
+    fp32 (or None) are added to the denominators of the states written to ``out``/``lse``.
+    ``window`` > 0: the pieces' token ranges count from each request's ``max(0, len - window)``
+    (a plan from ``plan_decode(window=...)``); 0: absolute token positions. ``scales``: an fp8
+    cache's ``(k_scale, v_scale)`` ``[1]`` fp32 device tensors, or ``(None, None)``."""
     hq, d = q.shape[1], q.shape[2]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -161,13 +183,15 @@ def run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, 
     bound = launch(
         _decode_kernel, (num_programs,), q, k_cache, v_cache, block_table, seq_lens, out, lse,
         work, prog_ptr, partial_o, partial_lse, lse if sinks is None else sinks,
-        scale, softcap * LOG2E, block_table.shape[1] * bs,
+        *(lse if s is None else s for s in scales),
+        scale, softcap * LOG2E, block_table.shape[1] * bs, window,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(), *seq_lens.stride(), *out.stride(),
         *lse.stride(), *partial_o.stride(), *partial_lse.stride(),
         GROUP=group, BS=bs, D=d, BLOCK_H=max(16, pow2(group)),  # tl.dot needs M >= 16
         BLOCK_N=block_n, BLOCK_D=pow2(d),
         IEEE=q.dtype == torch.float32, SOFTCAP=softcap > 0, FAST_TANH=fast_tanh(q), SINKS=sinks is not None,
-        PDL=pdl, WAIT_AT_END=beside_prior, num_warps=num_warps,
+        PDL=pdl, WAIT_AT_END=beside_prior, WINDOW=window > 0, SCALED=scales[0] is not None,
+        F16=fp8_mma_f16(q, k_cache), num_warps=num_warps,
         num_stages=num_stages, **({"launch_pdl": True} if beside_prior else {}),
     )
     return bound and bound.lead(7)
@@ -207,11 +231,13 @@ def fold_states(lists, partial_o, partial_lse, out, lse, num_kv_heads: int, pdl:
 
 
 def call_key(tensors: tuple, *values) -> tuple:
-    """A plan's key for a call's launches (its own buffers are fixed): the dtype (of the first: the
-    others' are checked against it), strides and 16-byte alignment of the call's ``tensors`` and
-    ``values`` (the scale, PDL, ...). -> (key, the tensors' data pointers: what relaunches take)."""
+    """A plan's key for a call's launches (its own buffers are fixed): the dtypes of the first two
+    (q and the cache, which may be fp8 of either format: the others' are checked against them),
+    strides and 16-byte alignment of the call's ``tensors`` and ``values`` (the scale, PDL, ...).
+    -> (key, the tensors' data pointers: what relaunches take)."""
     ptrs = [*map(torch.Tensor.data_ptr, tensors)]
-    return (tensors[0].dtype, *map(torch.Tensor.stride, tensors), *values, *map((15).__and__, ptrs)), ptrs
+    return (tensors[0].dtype, tensors[1].dtype, *map(torch.Tensor.stride, tensors), *values,
+            *map((15).__and__, ptrs)), ptrs
 
 
 def remember(launches: dict, key: tuple, relaunches: tuple) -> None:
@@ -224,16 +250,19 @@ def remember(launches: dict, key: tuple, relaunches: tuple) -> None:
 
 
 def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float, out, lse, softcap: float = 0.0,
-                  sinks=None):
+                  sinks=None, scales=(None, None)):
     """q [B, Hq, D]; caches [NB, BS, Hkv, D]; writes out [B, Hq, D] and lse [B, Hq] (fp32, ln).
-    ``softcap`` > 0: scores soft-capped (0: none); ``sinks [Hq]`` fp32 or None."""
+    ``softcap`` > 0: scores soft-capped (0: none); ``sinks [Hq]`` fp32 or None. The sliding window
+    is the plan's (``plan.window``). ``scales``: an fp8 cache's ``(k_scale, v_scale)`` ``[1]`` fp32
+    tensors, or ``(None, None)``."""
     if q.shape[0] == 0:
         return
     pdl = use_pdl(q.device)
     # The plan's launches for this call signature: after the first call, each layer and step
     # calls the two launchers directly (an eager call is host-bound for small batches).
     key, ptrs = call_key((q, k_cache, v_cache, block_table, seq_lens, out, lse), scale, softcap, pdl,
-                         block_table.shape[1], plan.whole, sinks is not None and sinks.data_ptr())
+                         block_table.shape[1], plan.whole, sinks is not None and sinks.data_ptr(),
+                         *(s is not None and s.data_ptr() for s in scales))
     relaunches = plan.launches.get(key)
     if relaunches is not None:
         stream = replay_stream(relaunches)
@@ -243,9 +272,11 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
             fold(stream, *ptrs[5:])
             return
     tile_n, stages = plan.kernel_tile
+    if k_cache.element_size() == 1:  # fp8: twice the tokens a tile (the same bytes), 3 stages (H100 sweep)
+        tile_n, stages = 2 * plan.block_n, 3
     decode = run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan.partial_o, plan.partial_lse,
                         plan.work, plan.prog_ptr, plan.num_programs, tile_n, scale, pdl, num_stages=stages,
-                        softcap=softcap, sinks=sinks)
+                        softcap=softcap, sinks=sinks, window=plan.window or 0, scales=scales)
     # A segment of one piece wrote out/lse itself; split segments are folded in piece order. A
     # stream-K run of G programs over S segments gives each at most ~G/S + 2 pieces.
     segments = q.shape[0] * k_cache.shape[2]
@@ -255,8 +286,9 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
 
 
 def decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float, out, lse, softcap: float = 0.0,
-                 sinks=None):
-    """Vectorised torch version (CPU tensors): gathers pages a few requests at a time."""
+                 sinks=None, window: int = 0, scales=(None, None)):
+    """Vectorised torch version (CPU tensors): gathers pages a few requests at a time. ``window`` > 0:
+    each request attends its last ``window`` keys; ``scales``: an fp8 cache's ``(k_scale, v_scale)``."""
     b, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -269,8 +301,10 @@ def decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float, out, 
         live_blk = torch.arange(n_blk)[None, :] < ((ln + bs - 1) // bs)[:, None]
         bt = torch.where(live_blk, block_table[c:c + per, :n_blk].long(), 0)  # dead ids never read
         live = torch.arange(n_blk * bs)[None, :] < ln[:, None]  # [b, L]
-        k = k_cache[bt].flatten(1, 2).float()  # [b, L, Hkv, D] (a fresh gather)
-        v = v_cache[bt].flatten(1, 2).float()
+        if window:
+            live &= torch.arange(n_blk * bs)[None, :] >= (ln - window)[:, None]
+        k = dequantized(k_cache[bt].flatten(1, 2), scales[0])  # [b, L, Hkv, D] (a fresh gather)
+        v = dequantized(v_cache[bt].flatten(1, 2), scales[1])
         # Slots past a row's length may hold anything (NaN from a reused block): their scores are
         # masked below, but a zero weight times a NaN value is NaN, so those values are zeroed.
         v[~live] = 0.0

@@ -27,19 +27,20 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_backend.kernels.attend import LOG2E, add_sink, fast_tanh, scale_scores, sink_states, soft_cap
+from paged_backend.kernels.attend import LOG2E, add_sink, dequantized, fast_tanh, scale_scores, sink_states, soft_cap
 
 
 @triton.jit
 def _prefill_kv_tile(
-    acc, l_i, m_i, q, k_ptr, v_ptr, bt_row_ptr, n0, hi, pos, qk_scale, cap,
+    acc, l_i, m_i, q, k_ptr, v_ptr, bt_row_ptr, n0, hi, pos, window, qk_scale, cap,
     kvh, stride_btn, stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     offs_n, offs_d, d_ok,
     BS: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, IEEE: tl.constexpr,
-    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
+    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, WINDOW: tl.constexpr,
 ):
-    """One BLOCK_N tile of keys ``n0 ..`` folded into the running state (exp2 domain)."""
+    """One BLOCK_N tile of keys ``n0 ..`` folded into the running state (exp2 domain). ``WINDOW``
+    (masked tiles): keys at or below ``pos - window`` are masked too."""
     tok = n0 + offs_n
     row = (tok % BS).to(tl.int64)
     if MASKED:
@@ -55,6 +56,7 @@ def _prefill_kv_tile(
         k = tl.load(k_ptrs)
     else:
         k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+    k = k.to(q.dtype)  # (an fp8 cache's values; its scales are applied by the caller)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -65,11 +67,17 @@ def _prefill_kv_tile(
             ok = (tok[None, :] <= pos[:, None]) & t_ok[None, :]
         else:
             ok = t_ok[None, :]
+        if WINDOW:
+            ok = ok & (tok[None, :] > pos[:, None] - window)
         s = tl.where(ok, s, float("-inf"))
-    # Every row sees key 0 in its first tile, so m_new is finite from the first tile on.
+    # Without a window every row sees key 0 in its first tile, so m_new is finite from the first
+    # tile on; with one, a row may see no key in its first tiles: exponentiate against 0 then.
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_use = m_new
+    if WINDOW:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
         v = tl.load(v_ptrs, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
@@ -77,17 +85,18 @@ def _prefill_kv_tile(
         v = tl.load(v_ptrs)
     else:
         v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    v = v.to(q.dtype)
     if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     return acc, l_i, m_new
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr, sinks_ptr,
-    sm_scale, cap, num_tokens, batch, max_tokens,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr, sinks_ptr, ks_ptr, vs_ptr,
+    sm_scale, cap, num_tokens, batch, max_tokens, window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -97,6 +106,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, TOK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_B: tl.constexpr,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, SINKS: tl.constexpr,
+    WINDOW: tl.constexpr, SCALED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -147,25 +157,44 @@ def _prefill_kernel(
         full = seq_len // BLOCK_N * BLOCK_N
 
     qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+    if SCALED:  # an fp8 cache: k's scale folds into the scores' scale (v's is applied at the end)
+        qk_scale = qk_scale * tl.load(ks_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row_ptr = bt_ptr + b64 * stride_btb
-    for n0 in range(0, full, BLOCK_N):
+    first = 0  # the first key tile; [first, lo_full) runs masked (some rows' windows start there)
+    lo_full = 0
+    if WINDOW:  # (causal) row of position p sees keys > p - window: skip tiles below every row's
+        first = tl.maximum(off + t0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        lo_full = tl.minimum(tl.cdiv(tl.maximum(off + t_last - window + 1, 0), BLOCK_N) * BLOCK_N, full)
+        for n0 in range(first, lo_full, BLOCK_N):
+            acc, l_i, m_i = _prefill_kv_tile(
+                acc, l_i, m_i, q, k_ptr, v_ptr, bt_row_ptr, n0, hi, pos, window, qk_scale, cap,
+                kvh, stride_btn, stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d, d_ok,
+                BS=BS, MASKED=True, CAUSAL=CAUSAL, EVEN_D=D == BLOCK_D, IEEE=IEEE, SOFTCAP=SOFTCAP,
+                FAST_TANH=FAST_TANH, WINDOW=True)
+        lo_full = tl.maximum(lo_full, first)
+    for n0 in range(lo_full, full, BLOCK_N):
         acc, l_i, m_i = _prefill_kv_tile(
-            acc, l_i, m_i, q, k_ptr, v_ptr, bt_row_ptr, n0, hi, pos, qk_scale, cap,
+            acc, l_i, m_i, q, k_ptr, v_ptr, bt_row_ptr, n0, hi, pos, window, qk_scale, cap,
             kvh, stride_btn, stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d, d_ok,
-            BS=BS, MASKED=False, CAUSAL=CAUSAL, EVEN_D=D == BLOCK_D, IEEE=IEEE, SOFTCAP=SOFTCAP, FAST_TANH=FAST_TANH)
-    for n0 in range(full, hi, BLOCK_N):
+            BS=BS, MASKED=False, CAUSAL=CAUSAL, EVEN_D=D == BLOCK_D, IEEE=IEEE, SOFTCAP=SOFTCAP, FAST_TANH=FAST_TANH,
+            WINDOW=False)
+    for n0 in range(tl.maximum(full, lo_full), hi, BLOCK_N):
         acc, l_i, m_i = _prefill_kv_tile(
-            acc, l_i, m_i, q, k_ptr, v_ptr, bt_row_ptr, n0, hi, pos, qk_scale, cap,
+            acc, l_i, m_i, q, k_ptr, v_ptr, bt_row_ptr, n0, hi, pos, window, qk_scale, cap,
             kvh, stride_btn, stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd, offs_n, offs_d, d_ok,
-            BS=BS, MASKED=True, CAUSAL=CAUSAL, EVEN_D=D == BLOCK_D, IEEE=IEEE, SOFTCAP=SOFTCAP, FAST_TANH=FAST_TANH)
+            BS=BS, MASKED=True, CAUSAL=CAUSAL, EVEN_D=D == BLOCK_D, IEEE=IEEE, SOFTCAP=SOFTCAP, FAST_TANH=FAST_TANH,
+            WINDOW=WINDOW)
 
     empty = l_i == 0.0  # only for lengths the API rejects (seq_len 0 with q_len > 0)
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if SCALED:
+        o = o * tl.load(vs_ptr)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     if SINKS:
         o, lse = add_sink(o, lse, tl.load(sinks_ptr + qh, mask=row_ok, other=0.0))
@@ -193,10 +222,13 @@ def prefill_config(dtype: torch.dtype, head_dim: int, group: int, device: torch.
 
 def prefill_triton(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale: float, causal: bool,
                    out, lse, block_m: int | None = None, block_n: int | None = None,
-                   num_warps: int | None = None, num_stages: int | None = None, softcap: float = 0.0, sinks=None):
+                   num_warps: int | None = None, num_stages: int | None = None, softcap: float = 0.0, sinks=None,
+                   window: int = 0, scales=(None, None)):
     """q [T, Hq, D]; caches [NB, BS, Hkv, D]; query_start_loc [B+1] int32 (device); writes
     out [T, Hq, D] and lse [T, Hq] (fp32, ln). Tile settings default to :func:`prefill_config`.
-    ``softcap`` > 0: scores soft-capped (0: none); ``sinks [Hq]`` fp32 or None."""
+    ``softcap`` > 0: scores soft-capped (0: none); ``sinks [Hq]`` fp32 or None; ``window`` > 0
+    (causal only): a query at position p sees keys > p - window, and key tiles below every row's
+    window are not visited. ``scales``: an fp8 cache's ``(k_scale, v_scale)`` ``[1]`` fp32 tensors."""
     t, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     batch = seq_lens.shape[0]
@@ -215,19 +247,21 @@ def prefill_triton(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, 
     grid = (t // tok + batch, hkv)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, lse, lse if sinks is None else sinks,
-        scale, softcap * LOG2E, t, batch, block_table.shape[1] * bs,
+        *(lse if s is None else s for s in scales),
+        scale, softcap * LOG2E, t, batch, block_table.shape[1] * bs, window,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(),
         *seq_lens.stride(), *query_start_loc.stride(), *out.stride(), *lse.stride(),
         GROUP=group, BS=bs, D=d, TOK=tok, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(d), BLOCK_B=block_b,
         CAUSAL=bool(causal), IEEE=q.dtype == torch.float32, SOFTCAP=softcap > 0, FAST_TANH=fast_tanh(q),
-        SINKS=sinks is not None,
+        SINKS=sinks is not None, WINDOW=window > 0, SCALED=scales[0] is not None,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )
 
 
 def prefill_torch(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale: float, causal: bool,
-                  out, lse, budget: int = 1 << 24, softcap: float = 0.0, sinks=None):
+                  out, lse, budget: int = 1 << 24, softcap: float = 0.0, sinks=None, window: int = 0,
+                  scales=(None, None)):
     """Vectorised torch version (CPU tensors), fp32 math.
 
     Each request's queries are cut into chunks of at most ``budget / (Hq * padded seq_len)`` rows;
@@ -258,12 +292,12 @@ def prefill_torch(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, s
                 break
             qmax, kmax, hi = nq, nk, hi + 1
         _prefill_torch_chunk(q, k_cache, v_cache, block_table, items[lo:hi], starts, lens, qmax, kmax,
-                             scale, causal, out, lse, group, softcap, sinks)
+                             scale, causal, out, lse, group, softcap, sinks, window, scales)
         lo = hi
 
 
 def _prefill_torch_chunk(q, k_cache, v_cache, block_table, items, starts, lens, qmax, kmax, scale, causal,
-                         out, lse, group, softcap, sinks):
+                         out, lse, group, softcap, sinks, window, scales):
     t, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     req = torch.tensor([it[0] for it in items])
@@ -282,8 +316,8 @@ def _prefill_torch_chunk(q, k_cache, v_cache, block_table, items, starts, lens, 
     bt = torch.where(live_blk, block_table[req, :n_blk].long(), 0)  # dead ids are never read
     keys = torch.arange(kmax)
     in_seq = keys[None, :] < n[:, None]  # [R, kmax]
-    k = k_cache[bt].flatten(1, 2).float()  # [R, kmax, Hkv, D] (a fresh gather)
-    v = v_cache[bt].flatten(1, 2).float()
+    k = dequantized(k_cache[bt].flatten(1, 2), scales[0])  # [R, kmax, Hkv, D] (a fresh gather)
+    v = dequantized(v_cache[bt].flatten(1, 2), scales[1])
     # Slots past a row's length may hold anything (NaN): their scores are masked, and their values
     # zeroed (a zero weight times NaN is NaN).
     v[~in_seq] = 0.0
@@ -292,6 +326,8 @@ def _prefill_torch_chunk(q, k_cache, v_cache, block_table, items, starts, lens, 
     if causal:
         pos = (n - q_len)[:, None] + qi  # key position of each query  [R, qmax]
         ok = ok & (keys[None, None, :] <= pos[:, :, None])
+        if window:
+            ok = ok & (keys[None, None, :] > pos[:, :, None] - window)
     s = s.masked_fill(~ok[:, None, None], float("-inf"))
     l_ = torch.logsumexp(s, dim=-1)  # [R, Hkv, g, qmax]
     p = torch.exp(s - l_.nan_to_num(neginf=0.0)[..., None])  # rows without keys: exp(-inf) = 0

@@ -4,22 +4,28 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from paged_backend.kernels.checks import FLOAT_DTYPES, check_kv_cache, check_shape, check_tensor, debug_enabled
+from paged_backend.kernels.checks import (CACHE_DTYPES, FLOAT_DTYPES, FP8_DTYPES, check_kv_cache, check_kv_scales,
+                                         check_shape, check_tensor, debug_enabled)
 from paged_backend.kernels.copy_blocks import copy_blocks_torch, copy_blocks_triton
 from paged_backend.kernels.dispatch import use_triton
 from paged_backend.kernels.write_kv import write_kv_torch, write_kv_triton
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, *, k_scale=None, v_scale=None) -> None:
     """Write key/value ``[T, Hkv, D]`` into ``k_cache``/``v_cache`` ``[NB, BS, Hkv, D]`` in place.
 
     ``slot_mapping [T] int64``: flat slot ``block * BS + row`` per token, ``-1`` = skip. Slots
     past the cache are never written; with ``PAGED_BACKEND_DEBUG=1`` (or CPU tensors) they raise.
+
+    An fp8 cache (``float8_e4m3fn`` / ``float8_e5m2``) takes key/value of any float dtype and stores
+    ``value / scale``, saturated to the format's finite range (vLLM's ``reshape_and_cache`` with
+    per-tensor scales); ``k_scale``/``v_scale`` as in :func:`paged_decode` (None: 1.0).
     """
     nb, bs, hkv, d = check_kv_cache(k_cache, v_cache)
-    check_tensor("key", key, ndim=3, dtypes=(k_cache.dtype,), device=k_cache.device)
-    check_tensor("value", value, ndim=3, dtypes=(k_cache.dtype,), device=k_cache.device)
+    kv_dtypes = FLOAT_DTYPES if k_cache.dtype in FP8_DTYPES else (k_cache.dtype,)
+    check_tensor("key", key, ndim=3, dtypes=kv_dtypes, device=k_cache.device)
+    check_tensor("value", value, ndim=3, dtypes=(key.dtype,), device=k_cache.device)
     check_shape("key", key, (None, hkv, d))
     check_shape("value", value, tuple(key.shape))
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,), device=k_cache.device)
@@ -30,8 +36,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         if bad.any():
             raise ValueError(f"slot_mapping holds {int(bad.sum())} slots outside [-1, {nb * bs}) "
                              f"(first bad value {int(s[bad][0])})")
-    fn = write_kv_triton if use_triton(k_cache) else write_kv_torch
-    fn(key, value, k_cache, v_cache, slot_mapping)
+    scales = check_kv_scales(k_cache, k_scale, v_scale)
+    fn = write_kv_triton if use_triton(key) else write_kv_torch
+    fn(key, value, k_cache, v_cache, slot_mapping, scales)
 
 
 def _cache_list(name: str, caches) -> list:
@@ -65,11 +72,11 @@ def copy_blocks(k_caches, v_caches, block_copies) -> None:
     if len(vs) != len(ks):
         raise ValueError(f"v_caches must hold as many caches as k_caches ({len(ks)}), got {len(vs)}")
     k0 = ks[0]
-    check_tensor("k_caches[0]", k0, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor("k_caches[0]", k0, ndim=4, dtypes=CACHE_DTYPES)
     for name, group in (("k_caches", ks), ("v_caches", vs)):
         for i, c in enumerate(group):
             nm = f"{name}[{i}]"
-            check_tensor(nm, c, ndim=4, dtypes=FLOAT_DTYPES, device=k0.device)
+            check_tensor(nm, c, ndim=4, dtypes=CACHE_DTYPES, device=k0.device)
             if c.shape != k0.shape:
                 raise ValueError(f"{nm} shape {list(c.shape)} must equal k_caches[0] shape {list(k0.shape)}")
             if c.dtype != k0.dtype:

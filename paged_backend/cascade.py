@@ -12,7 +12,8 @@ import torch
 
 from paged_backend.kernels.cascade import cascade_torch, cascade_triton
 from paged_backend.kernels.checks import (HEAD_DIMS, check_attention_inputs, check_heads, check_plan_matches,
-                                         check_sinks, check_softcap)
+                                         check_kv_scales, check_plan_window, check_sinks, check_softcap,
+                                         check_window)
 from paged_backend.kernels.decode import decode_triton
 from paged_backend.kernels.dispatch import use_triton
 from paged_backend.cascade_plan import CascadeCost, CascadePlan, build_plan
@@ -22,16 +23,18 @@ __all__ = ["CascadePlan", "CascadeCost", "plan_cascade", "cascade_decode"]
 
 def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cplan: CascadePlan,
                    return_lse: bool = True, scale: float | None = None, *, softcap: float | None = None,
-                   sinks: torch.Tensor | None = None):
+                   sinks: torch.Tensor | None = None, window: int | None = None, k_scale=None, v_scale=None):
     """Decode attention of one query token per request, sharing the plan's prefixes.
 
     q [B, Hq, D]; k_cache, v_cache [NB, BS, Hkv, D] (any strides); ``cplan`` from
     :func:`plan_cascade` for this step (it holds the block table and lengths). Returns
     ``(out [B, Hq, D] in q's dtype, lse [B, Hq] float32 natural log)``, or ``out`` alone when
     ``return_lse=False``. A request of length 0 gives out = 0, lse = -inf. Exact (equal to flat
-    decode up to rounding) and deterministic. ``softcap``, ``sinks``: as in :func:`paged_decode`.
+    decode up to rounding) and deterministic. ``softcap``, ``sinks``, ``window``, ``k_scale``,
+    ``v_scale`` (fp8 caches): as in :func:`paged_decode`; the plan must be made with the same ``window``.
     """
     softcap = check_softcap(softcap)
+    window = check_window(window)
     if not isinstance(cplan, CascadePlan):
         raise TypeError(f"cplan must be a CascadePlan from pb.plan_cascade, got {type(cplan).__name__}")
     if not isinstance(return_lse, bool):
@@ -40,19 +43,21 @@ def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     batch = q.shape[0]
     check_plan_matches("cplan", cplan, q.device, batch_size=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                        block_size=bs)
+    check_plan_window("cplan", cplan, window)
     if cplan.max_block_id >= nb:
         raise ValueError(f"cplan's block table uses block id {cplan.max_block_id} but k_cache holds {nb} blocks")
     sinks = check_sinks(sinks, hq, q.device)
+    scales = check_kv_scales(k_cache, k_scale, v_scale)
     out = torch.empty(batch, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device)
     if use_triton(q):
         if cplan.is_flat:
             decode_triton(q, k_cache, v_cache, cplan.views["block_table"], cplan.views["seq_lens"],
-                          cplan.flat_plan, scale, out, lse, softcap, sinks)
+                          cplan.flat_plan, scale, out, lse, softcap, sinks, scales)
         else:
-            cascade_triton(q, k_cache, v_cache, cplan, scale, out, lse, softcap, sinks)
+            cascade_triton(q, k_cache, v_cache, cplan, scale, out, lse, softcap, sinks, scales)
     else:
-        cascade_torch(q, k_cache, v_cache, cplan, scale, out, lse, softcap, sinks)
+        cascade_torch(q, k_cache, v_cache, cplan, scale, out, lse, softcap, sinks, scales)
     return (out, lse) if return_lse else out
 
 
@@ -80,7 +85,7 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
                  block_size: int, device=None, groups=None, cost: CascadeCost | None = None,
                  node_programs: int | None = None, leaf_programs: int | None = None,
                  block_table_device: torch.Tensor | None = None, forest: CascadePlan | None = None,
-                 forest_rows=None) -> CascadePlan:
+                 forest_rows=None, window: int | None = None) -> CascadePlan:
     """Plan one cascade decode step from host metadata (see module doc).
 
     ``block_table_cpu [B, max_blocks]`` and ``seq_lens_cpu [B]``: host (CPU tensor / numpy) copies.
@@ -99,7 +104,13 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
     then: with one, the forest is found anew (as without ``forest``). Each request must still hold
     its shared blocks in full, and every member's last shared block is compared with its node's (the
     whole shared ranges with ``PAGED_BACKEND_DEBUG=1``).
+
+    ``window``: the sliding window of the layers the plan serves (see :func:`paged_decode`). Each
+    node starts at its members' earliest window block, a node no member's window reaches is
+    dropped, and tails start at ``max(shared_len, len - window)``: the work follows the windows.
+    ``forest`` must have been planned with the same window.
     """
+    window = check_window(window) or None
     table = _host_array("block_table_cpu", block_table_cpu, 2)
     lens = _host_array("seq_lens_cpu", seq_lens_cpu, 1).astype(np.int64)
     for name, val in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
@@ -144,7 +155,7 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
     rows = None
     if forest is not None:
         rows = _check_forest(forest, groups, forest_rows, lens.size, num_q_heads=num_q_heads,
-                             num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+                             num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, window=window)
         if rows is not None and rows.size and rows.min() < 0:  # a request new since: find the forest anew
             forest, rows = None, None
     elif forest_rows is not None:
@@ -152,7 +163,7 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
     return build_plan(table, lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                       block_size=block_size, device=device, groups=groups, cost=cost,
                       node_programs=node_programs, leaf_programs=leaf_programs,
-                      block_table_device=block_table_device, forest=forest, forest_rows=rows)
+                      block_table_device=block_table_device, forest=forest, forest_rows=rows, window=window)
 
 
 def _check_forest(forest, groups, forest_rows, batch: int, **shape):

@@ -72,10 +72,10 @@ def _node_grid(node_programs, sms: int, block_m: int) -> int:
 def _same_tails(plan, forest, gl: int) -> bool:
     """The same requests have tails as in ``forest``, one piece per (request, kv_head) then and now
     (so the same pieces, programs and merge lists: only the tails' lengths differ)."""
-    lens, shared, hkv = plan.seq_lens_host, plan.shared_len_host, plan.num_kv_heads
+    lens, shared, hkv = plan.seq_lens_host, plan.tail_start(), plan.num_kv_heads
     live = lens > shared
     n = int(np.count_nonzero(live))
-    if forest.num_leaf_pieces != n * hkv or not np.array_equal(live, forest.seq_lens_host > shared):
+    if forest.num_leaf_pieces != n * hkv or not np.array_equal(live, forest.seq_lens_host > forest.tail_start()):
         return False
     if not n:
         return True
@@ -90,8 +90,11 @@ def _copy_partition(plan, forest, block_table_device):
     for name, v in forest.host.items():
         if name not in ("seq_lens", "block_table"):
             h[name][:] = v
-    live = plan.seq_lens_host > plan.shared_len_host
-    h["leaf_work"].reshape(-1, plan.num_kv_heads, LEAF_FIELDS)[:, :, 3] = plan.seq_lens_host[live][:, None]
+    starts = plan.tail_start()
+    live = plan.seq_lens_host > starts
+    tails = h["leaf_work"].reshape(-1, plan.num_kv_heads, LEAF_FIELDS)
+    tails[:, :, 2] = starts[live][:, None]
+    tails[:, :, 3] = plan.seq_lens_host[live][:, None]
     h["seq_lens"][:] = plan.seq_lens_host
     for name in ("block_m", "node_programs", "leaf_programs", "num_node_pieces", "num_leaf_pieces", "num_slots",
                  "max_merge_len"):
@@ -102,7 +105,7 @@ def _copy_partition(plan, forest, block_table_device):
 def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_table_device, wide_tile_flops):
     """The partition from scratch. -> the staging (tensor, {part: host view})."""
     hkv, d, bsz, nbn, bn = plan.num_kv_heads, plan.head_dim, plan.batch_size, plan.node_block_n, plan.block_n
-    ptr, members, lens, shared = plan.node_ptr, plan.node_members, plan.seq_lens_host, plan.shared_len_host
+    ptr, members, lens, shared = plan.node_ptr, plan.node_members, plan.seq_lens_host, plan.tail_start()
     start, end = plan.node_start, plan.node_end
     gp = 1 << max(0, (group - 1).bit_length())
     sizes = ptr[1:] - ptr[:-1]

@@ -81,6 +81,9 @@ class CascadePlan:
     num_leaf_pieces: int = 0
     num_slots: int = 0
     max_merge_len: int = 1   # longest list of partial slots merged into one (request, kv_head)
+    window: int | None = None  # sliding window: nodes trimmed to their members' windows, tails from the window
+    # with a window: the forest before trimming, (ptr, members, start, end, level) in blocks, for reuse
+    forest_nodes: tuple = field(default=None, repr=False)
     flat_plan: object = field(default=None, repr=False)  # a DecodePlan when no node pays off
     buffers: torch.Tensor = field(default=None, repr=False)
     views: dict = field(default_factory=dict, repr=False)
@@ -104,15 +107,26 @@ class CascadePlan:
         return [(self.node_members[self.node_ptr[k]:self.node_ptr[k + 1]], int(self.node_start[k]),
                  int(self.node_end[k])) for k in range(self.num_nodes)]
 
+    def window_start(self) -> np.ndarray:
+        """[B] int64 each request's first key attended: ``max(0, len - window)``, 0 without a window."""
+        lens = self.seq_lens_host.astype(np.int64)
+        return np.maximum(lens - self.window, 0) if self.window else np.zeros_like(lens)
+
+    def tail_start(self) -> np.ndarray:
+        """[B] int64 where each request's private tail (run as decode) starts: after its kept nodes,
+        and not before its window."""
+        return np.maximum(self.shared_len_host.astype(np.int64), self.window_start())
+
     def unique_tokens(self) -> int:
         """Tokens whose K/V the plan reads (once per KV head)."""
-        sizes = np.diff(self.node_ptr)
-        return int((self.seq_lens_host - self.shared_len_host).sum()
-                   + (self.node_end - self.node_start).sum()) if sizes.size else int(self.seq_lens_host.sum())
+        if self.is_flat:
+            return int((self.seq_lens_host - self.window_start()).sum())
+        return int((self.seq_lens_host - self.tail_start()).sum() + (self.node_end - self.node_start).sum())
 
 
 def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, device, groups, cost,
-               node_programs, leaf_programs, block_table_device=None, forest=None, forest_rows=None) -> CascadePlan:
+               node_programs, leaf_programs, block_table_device=None, forest=None, forest_rows=None,
+               window=None) -> CascadePlan:
     hq, hkv, d, bs = num_q_heads, num_kv_heads, head_dim, block_size
     bsz = lens.size
     group = hq // hkv
@@ -127,8 +141,12 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
         return (n >= 2) & (own_blocks > 0) & (saved > n * cost.state_passes * state_bytes + cost.node_fixed_bytes)
 
     if forest is not None:  # an earlier step's nodes, already folded by the cost model
-        ptr, members, level = forest.node_ptr, forest.node_members, forest.node_level
-        nstart, nend, kd = forest.node_start // bs, forest.node_end // bs, forest.shared_len_host // bs
+        if forest.forest_nodes is not None:  # planned with a window: its nodes before trimming
+            ptr, members, nstart, nend, level = forest.forest_nodes
+        else:
+            ptr, members, level = forest.node_ptr, forest.node_members, forest.node_level
+            nstart, nend = forest.node_start // bs, forest.node_end // bs
+        kd = forest.shared_len_host // bs
         if forest_rows is not None:  # a batch of some of its requests
             ptr, members, nstart, nend, level, kd = restrict_forest(ptr, members, nstart, nend, level, forest_rows,
                                                                     forest.batch_size, pays)
@@ -142,6 +160,11 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
     if (forest is None or forest_rows is not None) and sizes.size and saved_total < cost.min_total_bytes:
         ptr, members, nstart, nend, level = ptr[:1], members[:0], nstart[:0], nend[:0], level[:0]
         kd = np.zeros(bsz, dtype=np.int64)
+    forest_nodes = None
+    if window is not None:
+        forest_nodes = (ptr, members, nstart, nend, level)
+        ptr, members, nstart, nend, level = trim_to_window(ptr, members, nstart, nend, level,
+                                                           np.maximum(lens - window, 0) // bs)
     # a view (copied once into the device buffer); at least one column so the views stay 2-D
     bt_host = table[:, :cols_used] if cols_used else np.zeros((bsz, 1), dtype=np.int32)
     max_id = -1
@@ -154,14 +177,44 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
     plan = CascadePlan(batch_size=bsz, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device=device,
                        seq_lens_host=lens, shared_len_host=kd * bs, node_ptr=ptr, node_members=members,
                        node_start=nstart * bs, node_end=nend * bs, node_level=level, block_table_host=bt_host,
-                       max_block_id=max_id, block_n=block_n_for(d) // 2, node_block_n=64 if d <= 128 else 32)
+                       max_block_id=max_id, block_n=block_n_for(d) // 2, node_block_n=64 if d <= 128 else 32,
+                       window=window, forest_nodes=forest_nodes)
     if plan.is_flat:
         plan.flat_plan = plan_decode(lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                                     device=device, num_programs=leaf_programs)
+                                     device=device, num_programs=leaf_programs, window=window)
         src, h = staging(plan, [("seq_lens", lens.size)], block_table_device)
         h["seq_lens"][:] = lens
         upload(plan, src, h, block_table_device)
         return plan
+    # (a window moves the nodes' trimmed starts and the tails' starts: the partition is made anew)
     partition(plan, group, node_programs, leaf_programs, block_table_device, cost.wide_tile_flops,
-              forest if forest_rows is None else None)
+              forest if forest_rows is None and window is None else None)
     return plan
+
+
+def trim_to_window(ptr, members, start, end, level, lo):
+    """The nodes (CSR ``ptr``/``members``, ``start``/``end`` in blocks, ``level``, parents first) as
+    members whose keys start at block ``lo [B]`` (sliding windows) read them: a node starts at its
+    members' first window block, and one no member's window reaches is dropped (the levels below
+    it move up). Members whose window starts past a kept node stay in it: their rows mask its keys.
+    -> the same five arrays."""
+    sizes = ptr[1:] - ptr[:-1]
+    if not sizes.size:
+        return ptr, members, start, end, level
+    km = np.arange(sizes.size).repeat(sizes)  # [M] each membership's node
+    first = np.full(sizes.size, np.iinfo(np.int64).max)
+    np.minimum.at(first, km, lo[members])  # [K] the earliest window start among its members
+    dropped = first >= end
+    if not dropped.any():
+        return ptr, members, np.maximum(start, first), end, level
+    # Levels: a kept node moves up by the dropped nodes above it in its members' chain (the same
+    # chain for all its members; read it from its first member's).
+    above = np.zeros((int(members.max()) + 1, int(level.max()) + 2), dtype=np.int64)
+    above[members, level[km] + 1] = dropped[km]
+    np.cumsum(above, axis=1, out=above)
+    keep = ~dropped
+    new_level = level - above[members[ptr[:-1]], level]
+    kept_members = np.repeat(keep, sizes)
+    new_ptr = np.zeros(int(keep.sum()) + 1, dtype=ptr.dtype)
+    np.cumsum(sizes[keep], out=new_ptr[1:])
+    return (new_ptr, members[kept_members], np.maximum(start, first)[keep], end[keep], new_level[keep])

@@ -6,8 +6,9 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from paged_backend.kernels.checks import (FLOAT_DTYPES, HEAD_DIMS, check_attention_inputs, check_block_table, check_plan_matches,
-                            check_scale, check_shape, check_sinks, check_softcap, check_tensor, debug_enabled)
+from paged_backend.kernels.checks import (FLOAT_DTYPES, FP8_DTYPES, HEAD_DIMS, check_kv_scales, check_attention_inputs, check_block_table, check_plan_matches,
+                            check_plan_window, check_scale, check_shape, check_sinks, check_softcap, check_tensor,
+                            check_window, debug_enabled)
 from paged_backend.plan import check_plan_covers
 from paged_backend.kernels.decode import decode_torch, decode_triton
 from paged_backend.kernels.dispatch import use_triton
@@ -15,11 +16,12 @@ from paged_backend.plan import DecodePlan, plan_decode
 
 
 @lru_cache(maxsize=32)
-def _capacity_plan(batch: int, capacity: int, hq: int, hkv: int, d: int, bs: int, device: torch.device) -> DecodePlan:
+def _capacity_plan(batch: int, capacity: int, hq: int, hkv: int, d: int, bs: int, device: torch.device,
+                   window: int) -> DecodePlan:
     # Without host lengths, plan every request at the table's capacity; the kernel clamps each
     # piece by the device lengths, so the result is exact (only the balance suffers).
     return plan_decode(np.full(batch, capacity), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                       block_size=bs, device=device)
+                       block_size=bs, device=device, window=window or None)
 
 
 def _output(name, t, shape, dtype, device):
@@ -33,7 +35,7 @@ def _output(name, t, shape, dtype, device):
     return t
 
 
-def _fits_plan(q, k_cache, v_cache, block_table, seq_lens, plan) -> bool:
+def _fits_plan(q, k_cache, v_cache, block_table, seq_lens, plan, window: int = 0) -> bool:
     """True only where every check of ``_checked`` on the inputs passes, for the common call (a plan
     from plan_decode) at the cost of some attribute reads (caller outputs: ``_fits_out``); otherwise
     ``_checked`` runs and names what is wrong. The plan's fields are read, not cached: they are
@@ -47,14 +49,16 @@ def _fits_plan(q, k_cache, v_cache, block_table, seq_lens, plan) -> bool:
                               plan.device)
     lens, top = plan.host_max
     dtype, k_shape, bt_shape = q.dtype, k_cache.shape, block_table.shape
-    return (lens is plan.seq_lens_host and dtype in FLOAT_DTYPES and k_cache.dtype is dtype
-            and v_cache.dtype is dtype and block_table.dtype is torch.int32 and seq_lens.dtype is torch.int32
+    kv_dtype = k_cache.dtype
+    return (lens is plan.seq_lens_host and dtype in FLOAT_DTYPES and (kv_dtype is dtype or kv_dtype in FP8_DTYPES)
+            and v_cache.dtype is kv_dtype and block_table.dtype is torch.int32 and seq_lens.dtype is torch.int32
             and q.shape == (b, hq, d) and k_shape[1:] == (bs, hkv, d) and k_shape[0] > 0
             and v_cache.shape == k_shape and len(bt_shape) == 2 and bt_shape[0] == b and seq_lens.shape == (b,)
             and top <= bt_shape[1] * bs
             and d in HEAD_DIMS and 0 < bs <= 256 and not bs & (bs - 1) and 0 < hkv and 0 < hq and not hq % hkv
             and q.device == dev and k_cache.device == dev and v_cache.device == dev and block_table.device == dev
-            and seq_lens.device == dev and dev.type != "cpu" and not debug_enabled())
+            and seq_lens.device == dev and dev.type != "cpu" and not debug_enabled()
+            and (plan.window or 0) == window)
 
 
 def _fits_out(t, shape, dtype, device) -> bool:
@@ -63,7 +67,7 @@ def _fits_out(t, shape, dtype, device) -> bool:
                          and t.is_contiguous())
 
 
-def _checked(q, k_cache, v_cache, block_table, seq_lens, scale, plan, out, lse_out):
+def _checked(q, k_cache, v_cache, block_table, seq_lens, scale, plan, out, lse_out, window: int = 0):
     """Every input check, each error naming its argument -> ``(scale, out, lse)``."""
     nb, bs, hkv, d, hq, scale = check_attention_inputs(q, k_cache, v_cache, scale)
     batch = q.shape[0]
@@ -72,6 +76,7 @@ def _checked(q, k_cache, v_cache, block_table, seq_lens, scale, plan, out, lse_o
             raise TypeError(f"plan must be a DecodePlan from pb.plan_decode, got {type(plan).__name__}")
         check_plan_matches("plan", plan, q.device, batch_size=batch, num_q_heads=hq, num_kv_heads=hkv,
                            head_dim=d, block_size=bs)
+        check_plan_window("plan", plan, window)
     check_block_table(block_table, seq_lens, nb, bs, batch, q.device,
                       seq_lens_host=None if plan is None else plan.seq_lens_host)
     if plan is not None:
@@ -84,7 +89,8 @@ def _checked(q, k_cache, v_cache, block_table, seq_lens, scale, plan, out, lse_o
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float | None = None, plan: DecodePlan | None = None,
                  return_lse: bool = True, *, out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
-                 softcap: float | None = None, sinks: torch.Tensor | None = None):
+                 softcap: float | None = None, sinks: torch.Tensor | None = None, window: int | None = None,
+                 k_scale=None, v_scale=None):
     """Attention of one query token per request over its paged K/V.
 
     q [B, Hq, D]; k_cache, v_cache [NB, BS, Hkv, D] (any strides); block_table [B, max_blocks]
@@ -111,9 +117,23 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     denominator as a key of value 0: ``out`` is scaled by ``exp(lse_keys - lse)`` and ``lse =
     logaddexp(lse_keys, sink)`` *includes* the sink (an empty request gives out = 0, lse = sink).
     Merge such states only with states without the sink (it is counted once per state).
+
+    ``window``: sliding-window attention (Mistral, Qwen2, Gemma 2/3, gpt-oss): the query at
+    position ``p = seq_len - 1`` attends the keys at ``p - window < pos <= p``, i.e. the last
+    ``window`` tokens (vLLM's ``sliding_window``, transformers' ``config.sliding_window``,
+    FlashInfer's ``window_left = window - 1``). None: all keys. A ``plan`` must be made with the
+    same window (``plan_decode(..., window=window)``); only the window's keys are read.
+
+    fp8 KV cache (``torch.float8_e4m3fn`` / ``float8_e5m2`` caches, written by :func:`write_kv`
+    with the same scales): ``k_scale``, ``v_scale`` are the per-tensor dequantization scales (a
+    stored value times its scale is the real one), each a positive float or a one-element float32
+    tensor on the device (vLLM's ``layer._k_scale``); None means 1.0. q is fp16/bf16 (or fp32); the
+    kernels convert the cache's values to q's dtype, accumulate in fp32 and return q's dtype.
     """
     softcap = check_softcap(softcap)
-    if _fits_plan(q, k_cache, v_cache, block_table, seq_lens, plan) and _fits_out(out, q.shape, q.dtype, q.device) \
+    window = check_window(window)
+    if _fits_plan(q, k_cache, v_cache, block_table, seq_lens, plan, window) \
+            and _fits_out(out, q.shape, q.dtype, q.device) \
             and _fits_out(lse_out, q.shape[:2], torch.float32, q.device):
         b, hq, d = plan.batch_size, plan.num_q_heads, plan.head_dim
         scale = check_scale(scale, d)
@@ -121,14 +141,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out = torch.empty(b, hq, d, dtype=q.dtype, device=plan.device) if out is None else out
         lse = torch.empty(b, hq, dtype=torch.float32, device=plan.device) if lse_out is None else lse_out
     else:
-        scale, out, lse = _checked(q, k_cache, v_cache, block_table, seq_lens, scale, plan, out, lse_out)
+        scale, out, lse = _checked(q, k_cache, v_cache, block_table, seq_lens, scale, plan, out, lse_out, window)
     sinks = check_sinks(sinks, q.shape[1], q.device)
+    scales = check_kv_scales(k_cache, k_scale, v_scale)
     if use_triton(q):
         if plan is None:
             b, hq, d = q.shape
             bs, hkv = k_cache.shape[1], k_cache.shape[2]
-            plan = _capacity_plan(b, block_table.shape[1] * bs, hq, hkv, d, bs, q.device)
-        decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale, out, lse, softcap, sinks)
+            plan = _capacity_plan(b, block_table.shape[1] * bs, hq, hkv, d, bs, q.device, window)
+        decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale, out, lse, softcap, sinks, scales)
     else:
-        decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale, out, lse, softcap, sinks)
+        decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale, out, lse, softcap, sinks, window, scales)
     return (out, lse) if return_lse else out

@@ -26,7 +26,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from paged_backend.kernels.checks import HEAD_DIMS, check_heads, debug_enabled
+from paged_backend.kernels.checks import HEAD_DIMS, check_heads, check_window, debug_enabled
 from paged_backend.kernels.dispatch import num_sms
 
 # Programs per SM for the decode kernel (4 warps, 3 pipeline stages, 64-token tiles); G = SMs x this.
@@ -196,6 +196,10 @@ def _constants(rows: int, batch: int, hkv: int):
 class DecodePlan:
     """What the decode kernel needs, computed on the host once per step.
 
+    With a sliding ``window`` the plan partitions ``[0, min(len, window))`` of each request; the
+    kernel shifts those ranges by ``max(0, len - window)`` of the device length, so the work
+    follows the window, not the context.
+
     Device buffers (fixed size ``max_pieces`` so a CUDA graph can replay with new lengths):
     ``work [max_pieces, 5] int32``, ``prog_ptr [G + 1] int32``, ``seg_ptr [B * Hkv + 1] int32``,
     and the fp32 workspace for partial states ``partial_o [max_pieces, group, D]``,
@@ -211,6 +215,7 @@ class DecodePlan:
     mode: str
     device: torch.device
     seq_lens_host: np.ndarray = field(repr=False)
+    window: int | None = None  # sliding window: each request's last `window` keys are partitioned
     num_pieces: int = 0
     buffers: torch.Tensor = field(default=None, repr=False)
     partial_o: torch.Tensor = field(default=None, repr=False)
@@ -338,6 +343,8 @@ class DecodePlan:
     def _partition(self, lens: np.ndarray) -> None:
         """Writes ``work | prog_ptr | seg_ptr`` into the int32 host array ``_host``."""
         hkv, bn, g = self.num_kv_heads, self.block_n, self.target_programs
+        if self.window is not None:  # the keys attended, counted from the window's start
+            lens = np.minimum(lens, self.window)
         # An empty segment still gets one (empty) piece, which writes o = 0, lse = -inf.
         units = np.maximum((lens + (bn - 1)) // bn, 1)  # [B]
         work = self._work
@@ -399,12 +406,15 @@ class DecodePlan:
 
 def plan_decode(seq_lens_cpu, *, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                 device=None, mode: str = "stream_k", num_programs: int | None = None,
-                block_n: int | None = None) -> DecodePlan:
+                block_n: int | None = None, window: int | None = None) -> DecodePlan:
     """Partition one decode step. ``seq_lens_cpu [B]`` host lengths (tokens in cache, current one
     included). ``num_programs`` overrides ``G`` (default: SMs x programs per SM) and ``block_n`` the
-    tokens per work unit (a power of two >= 16; default by head dim). Reuse the plan for
-    every layer of the step; call ``plan.update(new_lens)`` next step to keep the same buffers."""
+    tokens per work unit (a power of two >= 16; default by head dim). ``window``: the sliding
+    window of the layers the plan serves (see :func:`paged_decode`); only each request's last
+    ``window`` keys are partitioned. Reuse the plan for every layer of the step (one plan per
+    distinct window); call ``plan.update(new_lens)`` next step to keep the same buffers."""
     lens = _as_host_lens(seq_lens_cpu)
+    window = check_window(window) or None
     for name, val in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
                       ("head_dim", head_dim), ("block_size", block_size)):
         if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
@@ -430,5 +440,6 @@ def plan_decode(seq_lens_cpu, *, num_q_heads: int, num_kv_heads: int, head_dim: 
         raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")
     plan = DecodePlan(batch_size=lens.size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                       head_dim=head_dim, block_size=block_size, block_n=int(block_n),
-                      target_programs=int(num_programs), mode=mode, device=device, seq_lens_host=lens)
+                      target_programs=int(num_programs), mode=mode, device=device, seq_lens_host=lens,
+                      window=window)
     return plan._update(lens)

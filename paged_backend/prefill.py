@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from paged_backend.kernels.checks import (check_attention_inputs, check_block_table, check_sinks, check_softcap,
-                                         check_tensor, debug_enabled)
+                                         check_kv_scales, check_tensor, check_window, debug_enabled)
 from paged_backend.kernels.dispatch import use_triton
 from paged_backend.kernels.prefill import prefill_torch, prefill_triton
 
@@ -52,7 +52,8 @@ def check_query_start_loc(query_start_loc, num_tokens: int, batch: int, device, 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, causal: bool = True,
                   return_lse: bool = True, *, scale: float | None = None, query_start_loc_cpu=None,
-                  seq_lens_cpu=None, softcap: float | None = None, sinks: torch.Tensor | None = None):
+                  seq_lens_cpu=None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                  window: int | None = None, k_scale=None, v_scale=None):
     """Varlen attention of new query tokens over their requests' paged K/V.
 
     q [T, Hq, D]: request ``b``'s queries are rows ``query_start_loc[b]:query_start_loc[b+1]``, its
@@ -70,12 +71,19 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     keeps them). They are only used to validate values without reading the GPU (the kernel itself
     never needs them); without them GPU values are checked only with ``PAGED_BACKEND_DEBUG=1``.
     ``softcap``, ``sinks``: logit soft-capping and attention sinks, as in :func:`paged_decode`.
+    ``window`` (causal only): sliding window, as in :func:`paged_decode`: the query at position
+    ``p`` attends the keys at ``p - window < pos <= p``; key tiles outside every query's window are
+    skipped, so a long chunk costs ``q_len x window``, not ``q_len x seq_len``. ``k_scale``,
+    ``v_scale``: an fp8 cache's dequantization scales, as in :func:`paged_decode`.
     """
     softcap = check_softcap(softcap)
+    window = check_window(window)
     nb, bs, hkv, d, hq, scale = check_attention_inputs(q, k_cache, v_cache, scale)
     num_tokens = q.shape[0]
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if window and not causal:
+        raise ValueError("window needs causal=True (a sliding window bounds a causal query's keys from below)")
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=q.device)
     batch = seq_lens.shape[0]
     if seq_lens_cpu is not None:
@@ -88,13 +96,14 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         lens_host = seq_lens.cpu()
     check_query_start_loc(query_start_loc, num_tokens, batch, q.device, query_start_loc_cpu, lens_host)
     sinks = check_sinks(sinks, hq, q.device)
+    scales = check_kv_scales(k_cache, k_scale, v_scale)
     out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, hq, dtype=torch.float32, device=q.device)
     if num_tokens:
         if use_triton(q):
             prefill_triton(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, out, lse,
-                           softcap=softcap, sinks=sinks)
+                           softcap=softcap, sinks=sinks, window=window, scales=scales)
         else:
             prefill_torch(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, out, lse,
-                          softcap=softcap, sinks=sinks)
+                          softcap=softcap, sinks=sinks, window=window, scales=scales)
     return (out, lse) if return_lse else out

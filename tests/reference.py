@@ -42,22 +42,25 @@ def attend(q, k, v, scale: float, mask=None, softcap=None, sinks=None):
     return o, lse
 
 
-def decode_reference(q, k_cache, v_cache, block_table, seq_lens, scale=None, softcap=None, sinks=None):
-    """q [B, Hq, D] -> (o [B, Hq, D] fp64, lse [B, Hq] fp64)."""
+def decode_reference(q, k_cache, v_cache, block_table, seq_lens, scale=None, softcap=None, sinks=None, window=None):
+    """q [B, Hq, D] -> (o [B, Hq, D] fp64, lse [B, Hq] fp64). ``window``: keys at positions
+    ``> seq_len - 1 - window`` only."""
     d = q.shape[-1]
     scale = d ** -0.5 if scale is None else scale
     outs, lses = [], []
     for b, n in enumerate(seq_lens.tolist()):
         k, v = gather_kv(k_cache, v_cache, block_table, n, b)
-        o, lse = attend(q[b:b + 1].cpu(), k, v, scale, softcap=softcap, sinks=sinks)
+        mask = None if window is None else (torch.arange(n) > n - 1 - window)[None, :]
+        o, lse = attend(q[b:b + 1].cpu(), k, v, scale, mask, softcap=softcap, sinks=sinks)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
 
 
 def prefill_reference(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, causal=True, scale=None,
-                      softcap=None, sinks=None):
-    """q [T, Hq, D]: request i's queries are its last q_len_i tokens -> (o [T, Hq, D], lse [T, Hq])."""
+                      softcap=None, sinks=None, window=None):
+    """q [T, Hq, D]: request i's queries are its last q_len_i tokens -> (o [T, Hq, D], lse [T, Hq]).
+    ``window`` (causal): the query at position p sees keys at ``p - window < pos <= p``."""
     d = q.shape[-1]
     scale = d ** -0.5 if scale is None else scale
     qsl = query_start_loc.tolist()
@@ -69,6 +72,8 @@ def prefill_reference(q, k_cache, v_cache, block_table, seq_lens, query_start_lo
         if causal:
             qpos = torch.arange(n - qi.shape[0], n)
             mask = torch.arange(n)[None, :] <= qpos[:, None]
+            if window is not None:
+                mask &= torch.arange(n)[None, :] > qpos[:, None] - window
         o, lse = attend(qi, k, v, scale, mask, softcap=softcap, sinks=sinks)
         outs.append(o)
         lses.append(lse)

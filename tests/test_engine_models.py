@@ -29,9 +29,10 @@ FAMILIES = {
 PROMPTS = [[5, 17, 3], list(range(40, 77)), [9] * 16, list(range(100, 133))]  # lengths around the block size
 
 
-def tiny(family: str, seed: int = 0, **overrides):
+def tiny(family, seed: int = 0, **overrides):
+    """A tiny model of a family in FAMILIES, or of a config."""
     torch.manual_seed(seed)
-    cfg = FAMILIES[family]() if family in FAMILIES else family
+    cfg = FAMILIES[family]() if isinstance(family, str) else family
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -139,14 +140,33 @@ def test_cascade_decode_in_the_engine_matches_flat():
     assert [[c.token_ids for c in o.outputs] for o in casc] == [[c.token_ids for c in o.outputs] for o in flat]
 
 
-def test_mistral_window_that_never_cuts_runs_and_a_cutting_one_is_refused():
-    model = tiny("mistral", sliding_window=64)
-    llm = LLM(model, device="cpu", num_blocks=32)
-    assert llm.max_model_len == 64  # the window covers every sequence: exact
-    out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    assert out[0].outputs[0].token_ids == hf_greedy(model, PROMPTS[1], 8)
-    with pytest.raises(ValueError, match="sliding-window attention .window 64 < max_model_len 128"):
-        LLM(tiny("mistral", sliding_window=64), device="cpu", num_blocks=32, max_model_len=128)
+WINDOWED = {  # sliding windows of 24 tokens: prompts up to 37 tokens + 12 new ones outgrow them
+    "mistral": lambda: tiny("mistral", sliding_window=24),  # every layer
+    "qwen2": lambda: tiny(transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=24,
+                                                   max_window_layers=1)),  # layer 1 only
+    "gemma2": lambda: tiny(transformers.Gemma2Config(**dict(SMALL, sliding_window=24),
+                                                     attn_logit_softcapping=5.0)),  # alternating, soft-capped
+    "gpt_oss": lambda: tiny(transformers.GptOssConfig(**dict(SMALL, num_local_experts=2, num_experts_per_tok=1,
+                                                             sliding_window=24))),  # alternating, with sinks
+}
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_sliding_windows_match_transformers(family):
+    """Windows that cut in prefill and in decode, flat and as a cascade (forked samples share their
+    prompt's blocks; every shared block a node): greedy tokens equal transformers' generate()."""
+    model = WINDOWED[family]()
+    windows = {getattr(m, "sliding_window", None) or getattr(m.config, "sliding_window", None)
+               for m in model.modules() if type(m).__name__.endswith("Attention")}
+    assert 24 in windows
+    want = [hf_greedy(model, p, 12) for p in PROMPTS]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    for cascade in (False, CascadeCost(0, 0, 0)):
+        llm = LLM(model, device="cpu", block_size=16, num_blocks=96, cascade=cascade)
+        assert 24 in llm.info.windows
+        outs = llm.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=12), use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in outs] == [[w, w] for w in want]
+        assert (llm.last_stats.cascade_steps > 0) == bool(cascade)
 
 
 def test_gemma2_soft_capping_matches_transformers():
@@ -189,17 +209,59 @@ def test_gpt_oss_attention_sinks_match_transformers():
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
-@pytest.mark.parametrize("make, feature", [
-    (lambda: transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=32, max_window_layers=1),
-     "sliding-window attention"),
-])
-def test_models_needing_missing_features_are_refused(make, feature):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(make(), dtype=torch.float32)
-    with pytest.raises(ValueError, match=feature):
+def test_models_needing_missing_features_are_refused():
+    model = tiny("qwen2")
+    model.config.layer_types = ["full_attention", "chunked_attention"]  # (Llama 4's chunked local attention)
+    with pytest.raises(ValueError, match=r"layer types \['chunked_attention'\]"):
         LLM(model, device="cpu", num_blocks=16, max_model_len=256)
 
 
 def test_unsupported_head_dim_is_refused():
     with pytest.raises(ValueError, match="head dim 32"):
         LLM(tiny("llama", head_dim=32), device="cpu", num_blocks=16)
+
+
+def fp8_reference(model, dtype):
+    """A copy of ``model`` whose attention (SDPA) sees K and V rounded to ``dtype`` after RoPE, as an
+    fp8 cache with scales 1.0 stores them."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+    name = f"fp8_reference_{str(dtype).split('_')[-1]}"
+
+    def attention(module, q, k, v, mask, **kw):
+        return sdpa_attention_forward(module, q, k.to(dtype).to(q.dtype), v.to(dtype).to(q.dtype), mask, **kw)
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation(name)
+    return ref
+
+
+@pytest.mark.kernel  # the interpreter pass runs the fp8 kernels (fp32 model: q fp32 over fp8 K/V)
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_kv_cache(kv_cache_dtype):
+    """An fp8 pool holds four times the blocks of an fp32 one in the same bytes; greedy tokens equal
+    transformers' generate() with K and V rounded to fp8 the same way, flat and as a cascade."""
+    model = tiny("llama")
+    dtype = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
+    ref = fp8_reference(model, dtype)
+    want = []
+    for p in PROMPTS:
+        out = ref.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, min_new_tokens=10,
+                           attention_mask=torch.ones(1, len(p), dtype=torch.long))
+        want.append(out[0, len(p):].tolist())
+    assert want != [hf_greedy(model, p, 10) for p in PROMPTS]  # fp8 rounding changes the tokens here
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    for cascade in (False, CascadeCost(0, 0, 0)):
+        llm = LLM(model, device="cpu", num_blocks=64, cascade=cascade, kv_cache_dtype=kv_cache_dtype)
+        assert llm.cache.kv.dtype == dtype and llm.cache.spec.bytes_per_block * 4 == \
+            LLM(model, device="cpu", num_blocks=1).cache.spec.bytes_per_block
+        outs = llm.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=10), use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in outs] == [[w, w] for w in want]
+        assert (llm.last_stats.cascade_steps > 0) == bool(cascade)
+
+
+def test_bad_kv_cache_dtype():
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(tiny("llama"), device="cpu", num_blocks=8, kv_cache_dtype="int8")

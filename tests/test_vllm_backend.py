@@ -20,7 +20,7 @@ if os.environ.get("PAGED_BACKEND_REQUIRE_VLLM") == "1":
 else:
     pytest.importorskip("vllm", reason="vLLM 0.33 is not installed: bash tests/install_vllm.sh (docs/vllm.md)")
 
-from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.config.compilation import CUDAGraphMode  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.model_executor.layers.attention import Attention  # noqa: E402
@@ -50,12 +50,16 @@ def vllm_config():
         yield cfg
 
 
-def make_layers(cfg, head_size: int, num_layers: int = 1, softcap=None, sinks=None) -> list[Attention]:
-    """Real vLLM attention layers on our backend (they register in ``cfg``'s forward context)."""
+def make_layers(cfg, head_size: int, num_layers: int = 1, softcap=None, sinks=None, windows=None,
+                kv_cache_dtype="auto") -> list[Attention]:
+    """Real vLLM attention layers on our backend (they register in ``cfg``'s forward context);
+    ``windows``: each layer's sliding window (None: full attention); ``kv_cache_dtype``: vLLM's."""
     extra = {} if sinks is None else {"sinks": sinks}
+    windows = windows or [None] * num_layers
     return [Attention(HQ, head_size, 0.37 / head_size ** 0.5, num_kv_heads=HKV, prefix=f"model.layers.{i}.attn",
-                      logits_soft_cap=softcap, attn_backend=PagedAttentionBackend, **extra)
-            for i in range(num_layers)]
+                      logits_soft_cap=softcap, attn_backend=PagedAttentionBackend, per_layer_sliding_window=w,
+                      cache_config=CacheConfig(cache_dtype=kv_cache_dtype), **extra)
+            for i, w in enumerate(windows)]
 
 
 class Batch:
@@ -67,10 +71,13 @@ class Batch:
     vLLM's default; ``HND``: LBHNC), filled with NaN before the context is written, so a read of
     anything outside the requests shows. ``pad_tokens`` garbage tokens (slot -1) follow the real
     ones; with ``pad_attn`` the metadata counts them, as vLLM's runner does for a full CUDA graph
-    (whose padding requests have no tokens and length 0)."""
+    (whose padding requests have no tokens and length 0). ``fp8``: an fp8 cache as vLLM allocates it
+    (uint8), every K/V value rounded to that format first (so the reference sees what it holds) and
+    stored divided by ``fp8_scale`` (a power of two: exact)."""
 
     def __init__(self, seq_lens, query_lens, block_size, head_size, dtype=torch.float32, device="cpu",
-                 share=(), shared_blocks=0, layout="NHD", pad_tokens=0, pad_attn=False, seed=0):
+                 share=(), shared_blocks=0, layout="NHD", pad_tokens=0, pad_attn=False, seed=0, fp8=None,
+                 fp8_scale=1.0):
         g = torch.Generator().manual_seed(seed)
         self.seq_lens, self.query_lens, self.bs, self.d = list(seq_lens), list(query_lens), block_size, head_size
         b = len(seq_lens)
@@ -85,12 +92,13 @@ class Batch:
                 table[i, j] = table[src, j] if (src != i and j < shared_blocks) else ids.pop()
         self.block_table = table
         physical = (total, block_size, HKV, 2 * head_size) if layout == "NHD" else (total, HKV, block_size, 2 * head_size)
-        cache = torch.full(physical, float("nan"), dtype=dtype)
+        cache = torch.full(physical, float("nan"), dtype=fp8 or dtype)
         self.kv_cache = cache.transpose(1, 2) if layout == "NHD" else cache  # logical [NB, Hkv, BS, 2D]
         k_cache, v_cache = self.kv_cache.transpose(1, 2).split(head_size, dim=-1)
         # every token's K/V; the context (all but the new tokens) is written here, the new by the backend
-        self.k = [torch.randn(s, HKV, head_size, generator=g).to(dtype) for s in seq_lens]
-        self.v = [torch.randn(s, HKV, head_size, generator=g).to(dtype) for s in seq_lens]
+        rounded = (lambda x: x.to(fp8).to(dtype)) if fp8 else (lambda x: x)
+        self.k = [rounded(torch.randn(s, HKV, head_size, generator=g).to(dtype)) for s in seq_lens]
+        self.v = [rounded(torch.randn(s, HKV, head_size, generator=g).to(dtype)) for s in seq_lens]
         for grp in share:
             for i in grp[1:]:
                 n = min(shared_blocks * block_size, seq_lens[i])
@@ -100,7 +108,7 @@ class Batch:
             for p in range(s):
                 blk, row = int(table[i, p // block_size]), p % block_size
                 if p < s - q:
-                    k_cache[blk, row], v_cache[blk, row] = self.k[i][p], self.v[i][p]
+                    k_cache[blk, row], v_cache[blk, row] = self.k[i][p] / fp8_scale, self.v[i][p] / fp8_scale
                 else:
                     slots.append(blk * block_size + row)
             new_k.append(self.k[i][s - q:])
@@ -116,6 +124,9 @@ class Batch:
         qsl = torch.zeros(b + 1, dtype=torch.int32)
         qsl[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
         self.query_start_loc = qsl
+        if fp8:
+            self.kv_cache = self.kv_cache.view(torch.uint8)  # vLLM's allocation of an fp8 cache
+        self.fp8 = fp8
         for name in ("kv_cache", "block_table", "key", "value", "query", "slot_mapping"):
             setattr(self, name, getattr(self, name).to(device))
         self.device = device
@@ -132,7 +143,7 @@ class Batch:
             is_prefilling=torch.tensor([q > 1 for q in self.query_lens], device=dev),
             positions=torch.arange(self.num_padded, device=dev))  # (unused by the backend)
 
-    def reference(self, scale: float, softcap=None, sinks=None) -> torch.Tensor:
+    def reference(self, scale: float, softcap=None, sinks=None, window=None) -> torch.Tensor:
         """fp64 dense attention of the step's queries over each request's true K/V -> [T, Hq, D]."""
         k_dense = torch.zeros(len(self.seq_lens), max(self.seq_lens), HKV, self.d, dtype=torch.float64)
         v_dense = torch.zeros_like(k_dense)
@@ -142,16 +153,18 @@ class Batch:
         table = torch.arange(len(self.seq_lens) * m, dtype=torch.int32).view(-1, m)
         o, _ = prefill_reference(self.query[:self.num_tokens].cpu(), k_dense.view(-1, 1, HKV, self.d),
                                  v_dense.view(-1, 1, HKV, self.d), table, torch.tensor(self.seq_lens),
-                                 self.query_start_loc, causal=True, scale=scale, softcap=softcap, sinks=sinks)
+                                 self.query_start_loc, causal=True, scale=scale, softcap=softcap, sinks=sinks,
+                                 window=window)
         return o
 
     def check_written(self):
         """The backend's KV update put the new tokens' K/V in their slots."""
-        k_cache, v_cache = self.kv_cache.transpose(1, 2).split(self.d, dim=-1)
+        kv = self.kv_cache.view(self.fp8) if self.fp8 else self.kv_cache
+        k_cache, v_cache = kv.transpose(1, 2).split(self.d, dim=-1)
         n = self.num_tokens
         sl = self.slot_mapping[:n].cpu()
-        got_k = k_cache.cpu()[sl // self.bs, sl % self.bs]
-        got_v = v_cache.cpu()[sl // self.bs, sl % self.bs]
+        got_k = k_cache.cpu()[sl // self.bs, sl % self.bs].to(self.key.dtype)
+        got_v = v_cache.cpu()[sl // self.bs, sl % self.bs].to(self.key.dtype)
         assert torch.equal(got_k, self.key[:n].cpu()) and torch.equal(got_v, self.value[:n].cpu())
 
 
@@ -177,7 +190,7 @@ def run_step(cfg, layers, batch: Batch, builder=None):
 
 def check(batch: Batch, layer, out, dtype=torch.float32):
     batch.check_written()
-    ref = batch.reference(layer.impl.scale, layer.impl.softcap, layer.impl.sinks)
+    ref = batch.reference(layer.impl.scale, layer.impl.softcap, layer.impl.sinks, layer.impl.window)
     assert torch.isfinite(out[:batch.num_tokens]).all()
     assert rel_err(out[:batch.num_tokens], ref) < TOL[dtype]
 
@@ -238,7 +251,7 @@ def test_shared_prefix(vllm_config, monkeypatch, kind, cascade, device):
     batch = Batch(seq_lens, query_lens, 16, 128, device=device, share=[list(range(16))], shared_blocks=64)
     layers = make_layers(vllm_config, 128)
     md, _, (out,) = run_step(vllm_config, layers, batch)
-    assert isinstance(md.plan, pb.CascadePlan if cascade else pb.DecodePlan)
+    assert isinstance(md.plans[None], pb.CascadePlan if cascade else pb.DecodePlan)
     check(batch, layers[0], out)
 
 
@@ -258,9 +271,59 @@ def test_logit_features(vllm_config, kind, device, feature):
     else:
         layers = make_layers(vllm_config, 128, sinks=torch.linspace(0.0, 30.0, HQ, dtype=torch.bfloat16, device=device))
     md, _, (out,) = run_step(vllm_config, layers, batch)
-    assert kind != "shared" or isinstance(md.plan, pb.CascadePlan)
+    assert kind != "shared" or isinstance(md.plans[None], pb.CascadePlan)
     check(batch, layers[0], out)
     assert rel_err(out[:batch.num_tokens], batch.reference(layers[0].impl.scale)) > 0.05  # featured != plain
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["mixed", "shared"])
+def test_sliding_windows(vllm_config, monkeypatch, kind, device):
+    """Layers of windows 24 and 1000 beside a full-attention layer (Gemma 2 / gpt-oss alternate
+    them) in one builder: a plan per window, each layer exact on decode, cascade and prefill rows."""
+    monkeypatch.setenv("PAGED_BACKEND_CASCADE", "1")
+    seq_lens, query_lens = SHARED["mixed"] if kind == "shared" else STEPS["mixed"]
+    share = dict(share=[list(range(16))], shared_blocks=64) if kind == "shared" else {}
+    batch = Batch(seq_lens, query_lens, 16, 128, device=device, **share)
+    layers = make_layers(vllm_config, 128, windows=[None, 24, 1000])
+    md, builder, outs = run_step(vllm_config, layers, batch)
+    assert builder.plans_made == 1 and set(md.plans) == {None, 24, 1000}
+    if kind == "shared":  # 24-token windows (from 1001 on) reach the last two shared blocks: the node is trimmed
+        assert isinstance(md.plans[None], pb.CascadePlan) and isinstance(md.plans[1000], pb.CascadePlan)
+        assert [(t0, t1) for _, t0, t1 in md.plans[24].nodes()] == [(62 * 16, 64 * 16)]
+    for layer, out in zip(layers, outs):
+        check(batch, layer, out)
+    assert rel_err(outs[1][:batch.num_tokens], batch.reference(layers[1].impl.scale)) > 0.05  # the window cuts
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["mixed", "shared"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_kv_cache(vllm_config, monkeypatch, kind, kv_cache_dtype, device):
+    """vLLM's fp8 caches (uint8 buffers, the layer's _k_scale/_v_scale): the KV update quantizes,
+    decode, cascade and prefill rows dequantize; bf16 queries (fp16 in the interpreter)."""
+    monkeypatch.setenv("PAGED_BACKEND_CASCADE", "1")
+    assert PagedAttentionBackend.supports_kv_cache_dtype(kv_cache_dtype)
+    fp8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
+    seq_lens, query_lens = SHARED["mixed"] if kind == "shared" else STEPS["mixed"]
+    share = dict(share=[list(range(16))], shared_blocks=64) if kind == "shared" else {}
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    batch = Batch(seq_lens, query_lens, 16, 128, dtype=dtype, device=device, fp8=fp8, fp8_scale=0.5, **share)
+    layers = make_layers(vllm_config, 128, kv_cache_dtype=kv_cache_dtype)
+    for layer in layers:  # a scale of 0.5: stored values are twice the real ones, dequantized back exactly
+        layer._k_scale.fill_(0.5)
+        layer._v_scale.fill_(0.5)
+        layer.to(device)
+    md, _, (out,) = run_step(vllm_config, layers, batch)
+    assert kind != "shared" or isinstance(md.plans[None], pb.CascadePlan)
+    kv = batch.kv_cache.view(fp8).transpose(1, 2)
+    sl = batch.slot_mapping[:batch.num_tokens].cpu()
+    stored = kv.cpu()[sl // 16, sl % 16][..., :128].to(dtype)
+    assert torch.equal(stored * 0.5, batch.key[:batch.num_tokens].cpu())  # quantized with the layer's scale
+    ref = batch.reference(layers[0].impl.scale)
+    assert rel_err(out[:batch.num_tokens], ref) < TOL[dtype]
 
 
 def test_plan_once_per_step(vllm_config):
@@ -273,7 +336,7 @@ def test_plan_once_per_step(vllm_config):
         check(first, layer, out)
     second = Batch([31, 40, 2], [1, 1, 1], 16, 64, seed=2)
     md2, _, outs = run_step(vllm_config, layers, second, builder)
-    assert builder.plans_made == 2 and md2.plan is md1.plan  # same device buffers (graph replays read them)
+    assert builder.plans_made == 2 and md2.plans[None] is md1.plans[None]  # same device buffers (graph replays read them)
     for layer, out in zip(layers, outs):
         check(second, layer, out)
 
@@ -291,12 +354,12 @@ def test_full_decode_graphs_take_flat_plans(vllm_config, monkeypatch):
     batch = Batch(SAMPLES + [0, 0], [1] * 16 + [0, 0], 16, 128, share=[list(range(16))], shared_blocks=64,
                   pad_tokens=2, pad_attn=True)
     md, builder, (out,) = run_step(vllm_config, layers, batch)
-    assert isinstance(md.plan, pb.DecodePlan) and md.num_decodes == 18
+    assert isinstance(md.plans[None], pb.DecodePlan) and md.num_decodes == 18
     assert torch.equal(out[16:18], torch.zeros_like(out[16:18]))
     check(batch, layers[0], out)
     mixed = Batch(SAMPLES + [20], [1] * 16 + [20], 16, 128, share=[list(range(16))], shared_blocks=64)
     md, _, (out,) = run_step(vllm_config, layers, mixed, builder)
-    assert isinstance(md.plan, pb.CascadePlan)
+    assert isinstance(md.plans[None], pb.CascadePlan)
     check(mixed, layers[0], out)
 
 
@@ -341,7 +404,7 @@ def test_decode_step_replays_in_cuda_graph(vllm_config):
     seq_lens.copy_(torch.tensor(second.seq_lens, dtype=torch.int32))
     md2 = builder.build(0, second.common_metadata().replace(
         seq_lens=seq_lens, block_table_tensor=first.block_table, slot_mapping=first.slot_mapping))
-    assert md2.plan is md.plan  # the captured buffers, refilled
+    assert md2.plans[None] is md.plans[None]  # the captured buffers, refilled
     graph.replay()
     torch.cuda.synchronize()
     second.kv_cache = first.kv_cache  # (the buffers the replay wrote)
@@ -381,12 +444,11 @@ def test_supported_configurations():
                 assert _reasons(head_size=head_size, dtype=dtype, block_size=block_size) == []
     assert _reasons(device_capability=DeviceCapability(8, 0)) == []
     assert _reasons(has_sink=True) == []  # gpt-oss's sinks
+    assert _reasons(has_sliding_window=True) == []  # Mistral, Gemma 2/3, gpt-oss windows
 
 
 @pytest.mark.parametrize("change, words", [
     (dict(head_size=32), "head_size"),
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
-    (dict(has_sliding_window=True), "sliding window"),
     (dict(use_mla=True), "MLA"),
     (dict(use_sparse=True), "sparse"),
     (dict(use_non_causal=True), "non-causal"),
@@ -405,9 +467,8 @@ def test_unsupported_configurations_refused(change, words):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(sliding_window=4096), "sliding window"),
     (dict(alibi_slopes=[0.5, 0.25, 0.125, 0.0625]), "ALiBi"),
-    (dict(kv_cache_dtype="fp8_e4m3"), "fp8_e4m3"),
+    (dict(kv_cache_dtype="int8_per_token_head"), "int8_per_token_head"),
     (dict(attn_type=AttentionType.ENCODER_DECODER), "attention type"),
 ])
 def test_impl_refuses_features(kwargs, words):

@@ -10,7 +10,8 @@ from paged_backend.kernels.checks import HEAD_DIMS
 
 class PagedAttentionBackend(AttentionBackend):
     supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes = ["auto", "float16", "bfloat16"]  # no fp8 KV (yet)
+    # fp8 caches: vLLM allocates uint8 and passes per-tensor k/v scales (the impl views them as fp8)
+    supported_kv_cache_dtypes = ["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]
     # vLLM calls impl.do_kv_cache_update (pb.write_kv) before impl.forward
     forward_includes_kv_cache_update = False
 
@@ -45,6 +46,10 @@ class PagedAttentionBackend(AttentionBackend):
         return capability.major >= 8  # bf16 tensor cores (Ampere and later); tested on Hopper
 
     @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True  # decode/cascade plans per window, prefill skipping tiles outside it
+
+    @classmethod
     def supports_sink(cls) -> bool:
         return True  # per-head sinks (gpt-oss) in the softmax denominator of every path
 
@@ -52,8 +57,7 @@ class PagedAttentionBackend(AttentionBackend):
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:
         return False  # the decode/prefill split and the prefill rows' host offsets come from the CPU copy
 
-    # Left at vLLM's default False, each refusing what we lack: supports_sliding_window,
-    # supports_alibi_sqrt, supports_mm_prefix, supports_non_causal, is_sparse, is_mla,
+    # Left at vLLM's default False, each refusing what we lack: supports_rswa, supports_alibi_sqrt, supports_mm_prefix, supports_non_causal, is_sparse, is_mla,
     # supports_per_head_quant_scales. supports_batch_invariance stays False too: a stream-K plan cuts
     # a request's KV by what else is in the batch, so its rounding depends on the batch (the result
     # is deterministic for a given batch). supports_dcp stays False: not wired yet.

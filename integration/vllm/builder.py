@@ -17,7 +17,9 @@ graphs on and the batch within the captured sizes), decode-only batches take the
 A cascade plan needs the block table on the host, which vLLM's metadata does not carry: eager steps
 with two or more decode rows copy its first column from the device (a sync), and the whole table
 only when some rows share a first block (costs measured in docs/vllm.md);
-``PAGED_BACKEND_CASCADE=0`` turns cascade off.
+``PAGED_BACKEND_CASCADE=0`` turns cascade off. Layers with a sliding window get plans of their
+window (one per distinct window among the builder's layers: vLLM gives sliding-window layers KV
+cache groups, and builders, of their own).
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ class PagedAttentionMetadata:
 
     Device: ``seq_lens [B]``, ``block_table [B, M]``, ``prefill_query_start_loc [num_prefills + 1]``
     (0 at the first prefill token). Host: ``prefill_query_start_loc_host`` (the same).
-    ``plan``: the decode rows' ``DecodePlan`` or ``CascadePlan`` (None without decode rows).
+    ``plans``: the decode rows' ``DecodePlan`` or ``CascadePlan`` per sliding window of the layers
+    (None: full attention); empty without decode rows.
     """
     num_actual_tokens: int
     num_decodes: int
@@ -51,17 +54,19 @@ class PagedAttentionMetadata:
     block_table: torch.Tensor
     prefill_query_start_loc: torch.Tensor | None
     prefill_query_start_loc_host: np.ndarray | None
-    plan: pb.DecodePlan | pb.CascadePlan | None
+    plans: dict
 
 
-def _num_q_heads(vllm_config, layer_names: list[str]) -> int:
-    """The query heads of the builder's layers (per rank): plans are made per head count."""
+def _layer_shape(vllm_config, layer_names: list[str]) -> tuple[int, tuple]:
+    """The query heads of the builder's layers (per rank: plans are made per head count) and their
+    sliding windows (None: full attention), one plan per window."""
     layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
     heads = {layer.num_heads for layer in layers.values()}
     if len(heads) != 1:
         raise ValueError(f"layer_names {layer_names} must name registered Attention layers with one query-head "
                          f"count, found {sorted(heads) or 'none'}")
-    return heads.pop()
+    windows = {layer.impl.window for layer in layers.values()}
+    return heads.pop(), tuple(sorted(windows, key=lambda w: -1 if w is None else w))
 
 
 class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
@@ -70,7 +75,8 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)
-        self.shape = dict(num_q_heads=_num_q_heads(vllm_config, layer_names), num_kv_heads=kv_cache_spec.num_kv_heads,
+        num_q_heads, self.windows = _layer_shape(vllm_config, layer_names)
+        self.shape = dict(num_q_heads=num_q_heads, num_kv_heads=kv_cache_spec.num_kv_heads,
                           head_dim=kv_cache_spec.head_size, block_size=kv_cache_spec.block_size, device=device)
         # A cascade plan attends the lengths it was made for (a DecodePlan's kernels clamp by the
         # device lengths): under speculative decoding vLLM's host lengths are only upper bounds.
@@ -79,9 +85,9 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         full_decode = (comp.cudagraph_mode or CUDAGraphMode.NONE).decode_mode() == CUDAGraphMode.FULL
         # decode-only batches of up to this many rows may replay a full graph: flat plans only
         self.graph_rows = (comp.max_cudagraph_capture_size or 0) if full_decode else 0
-        self._graph_plans: dict[int, pb.DecodePlan] = {}  # per captured batch size
-        self._eager_plan: pb.DecodePlan | None = None
-        self.plans_made = 0  # plans made or refilled (tests: one per step, whatever the number of layers)
+        self._graph_plans: dict[tuple, pb.DecodePlan] = {}  # per (captured batch size, window)
+        self._eager_plans: dict = {}  # per window
+        self.plans_made = 0  # steps planned (tests: one per step, whatever the number of layers)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PagedAttentionMetadata:
@@ -97,29 +103,36 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
             pqsl = cm.query_start_loc[nd:b + 1] - ndt
             pqsl_host = cm.query_start_loc_cpu[nd:b + 1].numpy() - ndt
         block_table = cm.block_table_tensor[:b]
-        plan = self._plan(block_table[:nd], lens[:nd], graphable=npf == 0 and nd <= self.graph_rows) if nd else None
+        plans = self._plans(block_table[:nd], lens[:nd], graphable=npf == 0 and nd <= self.graph_rows) if nd else {}
         return PagedAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens, num_decodes=nd, num_decode_tokens=ndt, num_prefills=npf,
             seq_lens=cm.seq_lens[:b], block_table=block_table, prefill_query_start_loc=pqsl,
-            prefill_query_start_loc_host=pqsl_host, plan=plan)
+            prefill_query_start_loc_host=pqsl_host, plans=plans)
 
-    def _plan(self, block_table: torch.Tensor, lens: np.ndarray, graphable: bool):
-        """A CascadePlan when decode rows share leading full blocks (and no graph may replay the
-        step), else a DecodePlan of this batch size refilled for ``lens``."""
+    def _plans(self, block_table: torch.Tensor, lens: np.ndarray, graphable: bool) -> dict:
+        """Per window: a CascadePlan when decode rows share leading full blocks (and no graph may
+        replay the step), else a DecodePlan of this batch size refilled for ``lens``."""
         self.plans_made += 1
         nd = lens.size
+        table = None
         # vLLM gives no host block table: copies from the device, each a sync (see the module doc);
         # first the first column, as rows that share no first block share nothing
         if self.cascade and nd >= 2 and not graphable and np.unique(block_table[:, 0].cpu().numpy()).size < nd:
-            cplan = pb.plan_cascade(block_table.cpu().numpy(), lens, block_table_device=block_table, **self.shape)
-            if not cplan.is_flat:
-                return cplan
-        plan = self._graph_plans.get(nd) if graphable else self._eager_plan
-        if plan is not None and plan.batch_size == nd:
-            return plan.update(lens)
-        plan = pb.plan_decode(lens, **self.shape)
-        if graphable:
-            self._graph_plans[nd] = plan
-        else:
-            self._eager_plan = plan
-        return plan
+            table = block_table.cpu().numpy()
+        plans = {}
+        for w in self.windows:
+            if table is not None:
+                cplan = pb.plan_cascade(table, lens, block_table_device=block_table, window=w, **self.shape)
+                if not cplan.is_flat:
+                    plans[w] = cplan
+                    continue
+            plan = self._graph_plans.get((nd, w)) if graphable else self._eager_plans.get(w)
+            if plan is not None and plan.batch_size == nd:
+                plans[w] = plan.update(lens)
+                continue
+            plan = plans[w] = pb.plan_decode(lens, window=w, **self.shape)
+            if graphable:
+                self._graph_plans[nd, w] = plan
+            else:
+                self._eager_plans[w] = plan
+        return plans
