@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 import paged_backend as pb
-from paged_backend.kernels.checks import FLOAT_DTYPES, check_kv_cache, check_tensor, debug_enabled
+from paged_backend.kernels.attend import sink_states
+from paged_backend.kernels.checks import FLOAT_DTYPES, check_kv_cache, check_sinks, check_tensor, debug_enabled
 from paged_backend.parallel import CollectiveError, all_gather_flat, collective, get_merger, grid_groups
 from paged_backend.parallel import tree_merge  # noqa: F401 (re-exported, as before)
 
@@ -115,32 +116,50 @@ def shard_paged_kv(k_cache, v_cache, block_table, seq_lens, placement: Placement
 
 
 def cp_decode(q, k_cache_local, v_cache_local, block_table_local, seq_lens_local, group=None, plan=None, *,
-              scale=None, strategy: str = "auto", hierarchy=None):
+              scale=None, strategy: str = "auto", hierarchy=None, softcap=None, sinks=None, k_scale=None,
+              v_scale=None):
     """Context-parallel decode: local paged (stream-K) decode of this rank's shard, then
     :func:`tree_merge` over ``group``. q [B, Hq, D] is the same on every rank; ``plan`` is a
     ``pb.plan_decode`` of the *local* lengths. Returns ``(o [B, Hq, D], lse [B, Hq])`` on every rank
     (fresh tensors). When the merge is an all-gather, the local decode writes its state straight into
-    the merger's send buffer (no pack copy)."""
+    the merger's send buffer (no pack copy). ``softcap``, ``k_scale``/``v_scale`` (fp8 shards) go to
+    each rank's decode; ``sinks`` are added once, to the merged state. Sliding windows are not
+    offered here: a rank's shard holds round-robin blocks, not a range of positions."""
     merger = get_merger(group, strategy=strategy, hierarchy=hierarchy)  # validates group/strategy first
+    if sinks is not None and isinstance(q, torch.Tensor) and q.dim() == 3:
+        sinks = check_sinks(sinks, q.shape[1], q.device)  # (before any collective)
     views = None
     if isinstance(q, torch.Tensor) and q.dim() == 3 and q.dtype in FLOAT_DTYPES:  # else paged_decode names q
         views = merger.send_views(q.shape, q.dtype, q.device)
     out, lse_out = views or (None, None)
     o, lse = pb.paged_decode(q, k_cache_local, v_cache_local, block_table_local, seq_lens_local, scale=scale,
-                             plan=plan, return_lse=True, out=out, lse_out=lse_out)
-    return merger.merge(o, lse, check=False)  # a fresh state (or the send views): no checks needed
+                             plan=plan, return_lse=True, out=out, lse_out=lse_out, softcap=softcap, k_scale=k_scale,
+                             v_scale=v_scale)
+    o, lse = merger.merge(o, lse, check=False)  # a fresh state (or the send views): no checks needed
+    sink_states(o, lse, sinks)  # once, on the merged state (each rank's state is of its keys only)
+    return o, lse
 
 
 def cp_cascade_decode(q, k_cache_local, v_cache_local, cplan_local, group=None, *, strategy: str = "auto",
                       hierarchy=None, **kwargs):
     """Cascade on each rank (``pb.cascade_decode`` with a plan of the rank's local block tables), then
-    :func:`tree_merge`. Round-robin placement keeps shared leading blocks shared on every rank."""
+    :func:`tree_merge`. Round-robin placement keeps shared leading blocks shared on every rank.
+    ``kwargs`` go to ``pb.cascade_decode`` (``scale``, ``softcap``, ``k_scale``, ``v_scale``), except
+    ``sinks``, added once to the merged state; no ``window`` (see :func:`cp_decode`)."""
     cascade = getattr(pb, "cascade_decode", None)
     if cascade is None:
         raise NotImplementedError("cp_cascade_decode needs pb.cascade_decode, which this build lacks")
+    if kwargs.get("window") is not None:
+        raise ValueError("window is not supported by context-parallel decode: a rank's shard holds round-robin "
+                         "blocks, not a range of positions")
+    sinks = kwargs.pop("sinks", None)
     merger = get_merger(group, strategy=strategy, hierarchy=hierarchy)
     o, lse = cascade(q, k_cache_local, v_cache_local, cplan_local, return_lse=True, **kwargs)
-    return merger.merge(o, lse)
+    if sinks is not None:
+        sinks = check_sinks(sinks, q.shape[1], q.device)  # (q was checked by cascade_decode)
+    o, lse = merger.merge(o, lse)
+    sink_states(o, lse, sinks)  # once, on the merged state
+    return o, lse
 
 
 class Mesh(NamedTuple):

@@ -273,6 +273,28 @@ def _check_cp_cascade(rank, world):
     assert_close_state(o, lse, ref_o, ref_lse, torch.float32)
 
 
+def _check_cp_features(rank, world):
+    """Soft-capping, sinks (added once, to the merged state) and fp8 shards on the parallel path,
+    flat and cascade; a window is refused (shards hold round-robin blocks)."""
+    from paged_backend.context_parallel import cp_cascade_decode
+    pl = Placement(world, rank, 16)
+    torch.manual_seed(8)
+    q, k, v, bt, sl = make_decode_inputs([1, 40, 200, 0], 8, 2, 64, 16, torch.float32, q_scale=4.0)
+    sinks = torch.linspace(-1.0, 6.0, 8)
+    k_l, v_l, bt_l, sl_l = shard_paged_kv(k, v, bt, sl, pl)
+    o, lse = cp_decode(q, k_l, v_l, bt_l, sl_l, softcap=5.0, sinks=sinks)
+    assert_close_state(o, lse, *decode_reference(q, k, v, bt, sl, softcap=5.0, sinks=sinks), torch.float32)
+    fp8 = torch.float8_e4m3fn  # shards stored at scale 0.5; the reference reads the dequantized cache
+    o, lse = cp_decode(q, (k_l / 0.5).to(fp8), (v_l / 0.5).to(fp8), bt_l, sl_l, k_scale=0.5, v_scale=0.5)
+    ref = decode_reference(q, (k / 0.5).to(fp8).float() * 0.5, (v / 0.5).to(fp8).float() * 0.5, bt, sl)
+    assert_close_state(o, lse, *ref, torch.float32)
+    cplan = pb.plan_cascade(bt_l, sl_l, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, device="cpu")
+    o, lse = cp_cascade_decode(q, k_l, v_l, cplan, sinks=sinks)
+    assert_close_state(o, lse, *decode_reference(q, k, v, bt, sl, sinks=sinks), torch.float32)
+    with pytest.raises(ValueError, match="window"):
+        cp_cascade_decode(q, k_l, v_l, cplan, window=8)
+
+
 def _check_mesh(rank, world):
     mesh = make_mesh(2)
     assert (mesh.tp_size, mesh.cp_size) == (2, world // 2) and rank == mesh.cp_rank * 2 + mesh.tp_rank
@@ -402,6 +424,7 @@ def _job_main(rank, world):
     _check_placement_slots(rank, world)
     _check_cp_decode(rank, world)
     _check_cp_cascade(rank, world)
+    _check_cp_features(rank, world)
     if world == 4:
         _check_mesh(rank, world)
     dist.barrier()  # rank 0 hosts the store: nobody leaves while others may still build groups
