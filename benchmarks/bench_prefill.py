@@ -34,6 +34,7 @@ from common import (free_memory, gpu_name, gpu_slug, md_table, now, rel_err, sho
 
 import paged_backend as pb  # noqa: E402
 from paged_backend.kernels.prefill import prefill_config, prefill_triton  # noqa: E402
+from paged_backend.prefill import prefill_kernel_name  # noqa: E402
 
 LN2 = math.log(2.0)
 CASES = [
@@ -227,7 +228,10 @@ def run_case(name, q_lens, seq_lens, args, dtype, device):
             return None
 
     cfg = prefill_config(dtype, d, hq // hkv, torch.device(device))
-    res = record("ours", ours_impl(inp), note="bm{block_m} bn{block_n} w{num_warps} s{num_stages}".format(**cfg))
+    portable = "bm{block_m} bn{block_n} w{num_warps} s{num_stages}".format(**cfg)
+    path = prefill_kernel_name(inp["q"], inp["k"], inp["v"])
+    row["path"] = path
+    res = record("ours", ours_impl(inp), note=f"{path} kernel" + ("" if path == "sm90" else f", {portable}"))
     ours_out = None
     if res is not None:
         ours_out, ours_lse = res
@@ -236,6 +240,9 @@ def run_case(name, q_lens, seq_lens, args, dtype, device):
         row["impls"]["ours"]["lse_err_vs_fp64_sample"] = (ours_lse[idx].double() - rl).abs().max().item()
         print(f"  {'':<28} fp64 sample: rel err {row['impls']['ours']['rel_err_vs_fp64_sample']:.1e}, "
               f"lse err {row['impls']['ours']['lse_err_vs_fp64_sample']:.1e}")
+    if path == "sm90":  # the portable kernel on the same inputs, for the dispatch's gain
+        tiles = tuple(cfg[k] for k in ("block_m", "block_n", "num_warps", "num_stages"))
+        record("ours portable", ours_impl(inp, tiles), note=portable, ref_out=ours_out)
     if args.sweep and device != "cpu":
         for c in SWEEP:
             record("ours bm%d bn%d w%d s%d" % c, ours_impl(inp, c), ref_out=ours_out)
@@ -287,19 +294,20 @@ def main():
           f"Hkv {args.kv_heads}, D {args.head_dim}, page {args.page} shuffled; {versions()}")
     rows = [run_case(name, ql, sl, args, dtype, device) for name, ql, sl in cases]
 
-    labels = ["ours", "sdpa", "flashinfer"]
+    labels = ["ours", "ours portable", "sdpa", "flashinfer"]
     table = []
     for r in rows:
-        cells = [r["case"], f"{r['flops'] / 1e12:.2f}"]
+        cells = [r["case"], r.get("path", "-"), f"{r['flops'] / 1e12:.2f}"]
         for lab in labels:
             e = r["impls"].get(lab, {})
-            cells.append(f"{e['us']:.0f} us, {e['tflops']:.3g}" if "tflops" in e else "error")
-        o, s = r["impls"].get("ours", {}), r["impls"].get("sdpa", {})
+            cells.append(f"{e['us']:.0f} us, {e['tflops']:.3g}" if "tflops" in e else ("-" if not e else "error"))
+        o, s, fi = r["impls"].get("ours", {}), r["impls"].get("sdpa", {}), r["impls"].get("flashinfer", {})
         cells.append(f"{o['pct_of_sdpa']:.0f}%" if "pct_of_sdpa" in o else "-")
+        cells.append(f"{fi['us'] / o['us']:.2f}x" if "us" in o and "us" in fi else "-")
         cells.append(s.get("note", "-"))
         table.append(cells)
-    header = ["case", "TFLOP", "ours (TFLOP/s)", "SDPA flash (TFLOP/s)", "FlashInfer paged (TFLOP/s)",
-              "ours % of SDPA", "SDPA variant"]
+    header = ["case", "our kernel", "TFLOP", "ours (TFLOP/s)", "ours portable (TFLOP/s)", "SDPA flash (TFLOP/s)",
+              "FlashInfer paged (TFLOP/s)", "ours % of SDPA", "ours vs FlashInfer", "SDPA variant"]
     md = md_table(header, table)
     print("\n" + md)
     if args.quick and not args.save:

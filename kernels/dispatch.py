@@ -36,3 +36,10 @@ def use_pdl(device: torch.device) -> bool:
     and later, never in the interpreter; ``PAGED_BACKEND_PDL=0`` turns it off."""
     return (device.type == "cuda" and not INTERPRET and os.environ.get("PAGED_BACKEND_PDL", "1") != "0"
             and _capability(device)[0] >= 9)
+
+
+def use_sm90(device: torch.device) -> bool:
+    """Whether the Hopper-only (Gluon: TMA, wgmma, warp-specialised) kernels may run: an sm_90 GPU,
+    never the interpreter; ``PAGED_BACKEND_SM90=0`` keeps the portable kernels everywhere."""
+    return (device.type == "cuda" and not INTERPRET and os.environ.get("PAGED_BACKEND_SM90", "1") != "0"
+            and _capability(device) == (9, 0))

@@ -5,7 +5,7 @@ import torch
 
 from paged_backend.kernels.checks import (check_attention_inputs, check_block_table, check_sinks, check_softcap,
                                          check_kv_scales, check_tensor, check_window, debug_enabled)
-from paged_backend.kernels.dispatch import use_triton
+from paged_backend.kernels.dispatch import use_sm90, use_triton
 from paged_backend.kernels.prefill import prefill_torch, prefill_triton
 
 
@@ -100,10 +100,31 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(num_tokens, hq, dtype=torch.float32, device=q.device)
     if num_tokens:
-        if use_triton(q):
+        sm90 = sm90_config(q, k_cache, v_cache, softcap, window, scales)
+        if sm90 is not None:
+            from paged_backend.kernels.prefill_sm90 import prefill_sm90
+            prefill_sm90(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, out, lse, sm90,
+                         sinks=sinks)
+        elif use_triton(q):
             prefill_triton(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, out, lse,
                            softcap=softcap, sinks=sinks, window=window, scales=scales)
         else:
             prefill_torch(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, causal, out, lse,
                           softcap=softcap, sinks=sinks, window=window, scales=scales)
     return (out, lse) if return_lse else out
+
+
+def sm90_config(q, k_cache, v_cache, softcap: float, window: int, scales):
+    """The Hopper prefill kernel's settings for a call it covers, or None (the portable kernel runs)."""
+    if not use_sm90(q.device):
+        return None
+    from paged_backend.kernels.prefill_sm90 import sm90_config as config
+    return config(q, k_cache, v_cache, softcap, window, scales)
+
+
+def prefill_kernel_name(q, k_cache, v_cache, softcap: float = 0.0, window: int = 0, scales=(None, None)) -> str:
+    """Which kernel :func:`paged_prefill` runs for these inputs: ``"sm90"`` (Gluon, Hopper),
+    ``"portable"`` (Triton) or ``"torch"`` (CPU without the interpreter). Benchmarks print it."""
+    if sm90_config(q, k_cache, v_cache, softcap, window, scales) is not None:
+        return "sm90"
+    return "portable" if use_triton(q) else "torch"

@@ -1,0 +1,103 @@
+"""The Hopper prefill kernel (kernels/prefill_sm90.py) against the dense fp64 reference, on an sm_90 GPU.
+
+Every case asserts that ``paged_prefill`` really dispatched to it (``prefill_kernel_name``), so the
+file cannot pass on the portable kernel by accident; the calls it does not cover are asserted to fall
+back. On CPU machines (CI) and other GPUs the file is skipped: the portable kernel it falls back to
+is what tests/test_prefill.py covers there.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paged_backend as pb
+from paged_backend.prefill import prefill_kernel_name
+from tests.paged_inputs import pad_table, poison_outside
+from tests.reference import assert_close_state
+from tests.test_prefill import device_reference, make_prefill_inputs
+
+BF16, F16 = torch.bfloat16, torch.float16
+hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                            reason="needs an sm_90 GPU (H100/H200)")
+pytestmark = [pytest.mark.gpu, hopper]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def run_sm90(inputs, causal=True, **kw):
+    q, k, v, bt, sl, qsl = inputs
+    assert prefill_kernel_name(q, k, v) == "sm90"
+    return pb.paged_prefill(q, k, v, bt, sl, qsl, causal=causal, **kw)
+
+
+CASES = {  # q_lens, seq_lens, Hq, Hkv, D, BS
+    "one prompt": ([1000], [1000], 32, 8, 128, 16),
+    "chunks mid-page, decodes, empty": ([1, 17, 300, 129, 0], [50, 517, 300, 2000, 33], 32, 8, 128, 16),
+    "d64 mha bs32": ([257, 64], [900, 64], 8, 8, 64, 32),
+    "group 8 pages 256": ([700, 5], [1300, 260], 32, 4, 128, 256),
+    "group 16 pages 64": ([333, 1], [1000, 64], 32, 2, 128, 64),
+    "group 64": ([90, 2], [200, 130], 64, 1, 64, 16),
+}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("layout", ["nhd", "vllm"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_against_fp64(case, layout, dtype, causal):
+    q_lens, seq_lens, hq, hkv, d, bs = CASES[case]
+    inputs = make_prefill_inputs(q_lens, seq_lens, hq, hkv, d, bs, dtype, device="cuda", layout=layout)
+    out, lse = run_sm90(inputs, causal)
+    ref_o, ref_lse = device_reference(*inputs, causal=causal)
+    assert_close_state(out, lse, ref_o, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_poisoned_slots_and_padded_table(value):
+    """Slots past each length hold NaN/inf and tables are padded with a real block id: the last
+    page's dead rows are masked (K) and zeroed (V), pages past the length are never loaded."""
+    q, k, v, bt, sl, qsl = make_prefill_inputs([300, 40, 1], [317, 40, 1000], 32, 8, 128, 16, BF16, device="cuda",
+                                               extra_cols=4)
+    bt = pad_table(bt, sl, 16, pad_block=k.shape[0] - 1)
+    poison_outside(k, v, bt, sl, value)
+    for causal in (True, False):
+        out, lse = run_sm90((q, k, v, bt, sl, qsl), causal)
+        ref_o, ref_lse = device_reference(q, k, v, bt, sl, qsl, causal=causal)
+        assert_close_state(out, lse, ref_o, ref_lse, BF16)
+
+
+def test_sinks():
+    inputs = make_prefill_inputs([200, 3], [500, 90], 32, 8, 128, 16, BF16, device="cuda")
+    sinks = torch.randn(32, device="cuda") * 3
+    out, lse = run_sm90(inputs, sinks=sinks)
+    ref_o, ref_lse = device_reference(*inputs)
+    total = torch.logaddexp(ref_lse, sinks.double().cpu()[None, :])
+    assert_close_state(out, lse, ref_o * torch.exp(ref_lse - total)[..., None], total, BF16)
+
+
+def test_bitwise_deterministic_and_matches_portable():
+    inputs = make_prefill_inputs([2048, 100], [4096, 333], 32, 8, 128, 16, BF16, device="cuda")
+    first = run_sm90(inputs)
+    again = run_sm90(inputs)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    q, k, v, bt, sl, qsl = inputs
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+    from paged_backend.kernels.prefill import prefill_triton
+    prefill_triton(q, k, v, bt, sl, qsl, q.shape[-1] ** -0.5, True, out, lse)
+    assert (first[1] - lse).abs().max().item() < 1e-3
+    assert_close_state(first[0], None, out, None, BF16)
+
+
+def test_uncovered_calls_fall_back():
+    q, k, v, bt, sl, qsl = make_prefill_inputs([64], [64], 32, 8, 128, 16, BF16, device="cuda")
+    assert prefill_kernel_name(q, k, v, softcap=30.0) == "portable"
+    assert prefill_kernel_name(q, k, v, window=16) == "portable"
+    assert prefill_kernel_name(q, k.float(), v.float()) == "portable"  # q and cache dtypes differ
+    q8, k8, v8, *_ = make_prefill_inputs([64], [64], 32, 8, 128, 8, BF16, device="cuda")
+    assert prefill_kernel_name(q8, k8, v8) == "portable"  # pages of 8
+    q80, k80, v80, *_ = make_prefill_inputs([64], [64], 32, 8, 80, 16, BF16, device="cuda")
+    assert prefill_kernel_name(q80, k80, v80) == "portable"  # head size 80
