@@ -38,8 +38,22 @@ def use_pdl(device: torch.device) -> bool:
             and _capability(device)[0] >= 9)
 
 
+# Triton releases the Gluon kernels were checked on (on the GPU, against the fp64 reference). Gluon
+# is experimental and its API moves between releases (3.9 renamed the TMA load), so other releases
+# keep the portable kernels.
+SM90_TRITON = ("3.6",)
+
+
 def use_sm90(device: torch.device) -> bool:
     """Whether the Hopper-only (Gluon: TMA, wgmma, warp-specialised) kernels may run: an sm_90 GPU,
-    never the interpreter; ``PAGED_BACKEND_SM90=0`` keeps the portable kernels everywhere."""
+    a Triton release in ``SM90_TRITON``, never the interpreter; ``PAGED_BACKEND_SM90=0`` keeps the
+    portable kernels everywhere."""
     return (device.type == "cuda" and not INTERPRET and os.environ.get("PAGED_BACKEND_SM90", "1") != "0"
-            and _capability(device) == (9, 0))
+            and triton_release() in SM90_TRITON and _capability(device) == (9, 0))
+
+
+@lru_cache(maxsize=None)
+def triton_release() -> str:
+    """``major.minor`` of the installed Triton."""
+    import triton
+    return ".".join(triton.__version__.split(".")[:2])

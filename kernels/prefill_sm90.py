@@ -59,26 +59,25 @@ def _load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v
                     BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr, STAGES: gl.constexpr):
     """One warp: TMA loads of the K/V tiles ``0 .. n_tiles`` into their rings. A K stage is
     refilled once both consumers' ``Q K^T`` read it, a V stage once both ``P V`` did."""
-    BOXES: gl.constexpr = BLOCK_N // PAGE_BOX
-    nbytes: gl.constexpr = BLOCK_N * k_desc.block_type.shape[1] * k_desc.dtype.primitive_bitwidth // 8
     col = kvh * head_cols
     for j in range(n_tiles):
         s = j % STAGES
         free = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes phase 1
-        mbarrier.wait(k_empty.index(s), free)
-        mbarrier.expect(k_ready.index(s), nbytes)
-        for i in gl.static_range(BOXES):
-            row = _box_row(bt_row_ptr, stride_btn, j * BLOCK_N + i * PAGE_BOX, seq_len, kvh, page_rows, head_rows,
-                           oob_row, BS)
-            tma.async_copy_global_to_shared(k_desc, [row, col], k_ready.index(s),
-                                            k_smem.index(s).slice(i * PAGE_BOX, PAGE_BOX))
-        mbarrier.wait(v_empty.index(s), free)
-        mbarrier.expect(v_ready.index(s), nbytes)
-        for i in gl.static_range(BOXES):
-            row = _box_row(bt_row_ptr, stride_btn, j * BLOCK_N + i * PAGE_BOX, seq_len, kvh, page_rows, head_rows,
-                           oob_row, BS)
-            tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(s),
-                                            v_smem.index(s).slice(i * PAGE_BOX, PAGE_BOX))
+        _load_tile(k_desc, k_smem.index(s), k_ready.index(s), k_empty.index(s), free, bt_row_ptr, stride_btn,
+                   j * BLOCK_N, seq_len, kvh, col, page_rows, head_rows, oob_row, BS, BLOCK_N, PAGE_BOX)
+        _load_tile(v_desc, v_smem.index(s), v_ready.index(s), v_empty.index(s), free, bt_row_ptr, stride_btn,
+                   j * BLOCK_N, seq_len, kvh, col, page_rows, head_rows, oob_row, BS, BLOCK_N, PAGE_BOX)
+
+
+@gluon.jit
+def _load_tile(desc, smem, ready, empty, free, bt_row_ptr, stride_btn, n0, seq_len, kvh, col, page_rows, head_rows,
+               oob_row, BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr):
+    """Keys ``n0 .. n0 + BLOCK_N`` of one cache into ``smem`` once the stage is free: one TMA box per page."""
+    mbarrier.wait(empty, free)
+    mbarrier.expect(ready, BLOCK_N * desc.block_type.shape[1] * desc.dtype.primitive_bitwidth // 8)
+    for i in gl.static_range(BLOCK_N // PAGE_BOX):
+        row = _box_row(bt_row_ptr, stride_btn, n0 + i * PAGE_BOX, seq_len, kvh, page_rows, head_rows, oob_row, BS)
+        tma.async_copy_global_to_shared(desc, [row, col], ready, smem.slice(i * PAGE_BOX, PAGE_BOX))
 
 
 @gluon.jit
@@ -320,11 +319,8 @@ def prefill_sm90(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sc
                  cfg: dict, sinks=None):
     """The Hopper kernel over a call :func:`sm90_config` accepted (shapes as in ``prefill_triton``)."""
     t, hq, d = q.shape
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    batch = seq_lens.shape[0]
+    batch, (bs, hkv) = seq_lens.shape[0], k_cache.shape[1:3]
     group = hq // hkv
-    if t == 0 or batch == 0:
-        return
     block_n, box = cfg["block_n"], cfg["page_box"]
     gdt = gl.float16 if q.dtype == torch.float16 else gl.bfloat16
     layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gdt)

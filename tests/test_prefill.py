@@ -278,6 +278,26 @@ def test_bad_types_and_shapes():
         pb.paged_prefill(q, k, v, bt, sl, qsl, scale=-1.0)
 
 
+def test_kernel_name_and_sm90_switch(monkeypatch):
+    """Off sm_90 GPUs (here: CPU) the Hopper kernel is never chosen, and ``PAGED_BACKEND_SM90=0``
+    turns it off on them too."""
+    from paged_backend.kernels import dispatch
+    from paged_backend.prefill import prefill_kernel_name
+    q, k, v, *_ = make_prefill_inputs([8], [8], 4, 2, 64, 16, F32)
+    assert prefill_kernel_name(q, k, v) == ("portable" if INTERPRET else "torch")
+    assert not dispatch.use_sm90(torch.device("cpu"))
+    monkeypatch.setattr(dispatch, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(dispatch, "triton_release", lambda: dispatch.SM90_TRITON[0])
+    monkeypatch.setattr(dispatch, "INTERPRET", False)
+    cuda = torch.device("cuda", 0)
+    assert dispatch.use_sm90(cuda)
+    monkeypatch.setenv("PAGED_BACKEND_SM90", "0")
+    assert not dispatch.use_sm90(cuda)
+    monkeypatch.delenv("PAGED_BACKEND_SM90")
+    monkeypatch.setattr(dispatch, "triton_release", lambda: "3.9")
+    assert not dispatch.use_sm90(cuda)
+
+
 # --- GPU: bf16, long sequences, the benchmark's shapes in miniature.
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -2,8 +2,8 @@
 
 Every case asserts that ``paged_prefill`` really dispatched to it (``prefill_kernel_name``), so the
 file cannot pass on the portable kernel by accident; the calls it does not cover are asserted to fall
-back. On CPU machines (CI) and other GPUs the file is skipped: the portable kernel it falls back to
-is what tests/test_prefill.py covers there.
+back. On CPU machines (CI), other GPUs and other Triton releases the file is skipped: the portable
+kernel they run is what tests/test_prefill.py covers there.
 """
 from __future__ import annotations
 
@@ -11,14 +11,17 @@ import pytest
 import torch
 
 import paged_backend as pb
+from paged_backend.kernels.dispatch import SM90_TRITON, triton_release
 from paged_backend.prefill import prefill_kernel_name
 from tests.paged_inputs import pad_table, poison_outside
 from tests.reference import assert_close_state
 from tests.test_prefill import device_reference, make_prefill_inputs
 
 BF16, F16 = torch.bfloat16, torch.float16
-hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-                            reason="needs an sm_90 GPU (H100/H200)")
+hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+         and triton_release() in SM90_TRITON),
+    reason=f"needs an sm_90 GPU (H100/H200) and a Triton release the Gluon kernel was checked on {SM90_TRITON}")
 pytestmark = [pytest.mark.gpu, hopper]
 
 
