@@ -113,9 +113,7 @@ def check_sinks(sinks, num_q_heads: int, device) -> torch.Tensor | None:
 @lru_cache(maxsize=64)
 def _scale_tensor(value: float, device: torch.device) -> torch.Tensor:
     """A float scale as the ``[1]`` fp32 device tensor the kernels read (one copy per value)."""
-    t = torch.tensor([value], dtype=torch.float32, device=device)
-    t.requires_grad_(False)
-    return t
+    return torch.tensor([value], dtype=torch.float32, device=device)
 
 
 def check_kv_scales(k_cache, k_scale, v_scale):
