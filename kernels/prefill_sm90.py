@@ -36,8 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-ROWS = 64  # query rows per consumer warpgroup (wgmma's M per warpgroup)
-CONSUMERS = 2
+ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M per warpgroup)
+CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program
 
 
 @gluon.jit
@@ -125,17 +125,16 @@ def _consumer_partition(rows, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.const
     (q_ptr, out_ptr, lse_ptr, sinks_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
      stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, sm_scale, q_begin, q_len, num_tokens,
      t0, off, seq_len, n_tiles, n_full, kvh) = rows
-    R: gl.constexpr = 64
-    TOKS: gl.constexpr = R // GROUP
+    TOKS: gl.constexpr = ROWS // GROUP
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte rows of [R, D]
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte rows of [ROWS, D]
     dtype: gl.constexpr = q_ptr.dtype.element_ty
 
     # Q rows of this warpgroup -> shared memory (wgmma's A operand).
-    r_io = gl.arange(0, R, layout=gl.SliceLayout(1, io_layout))
+    r_io = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
     d_io = gl.arange(0, D, layout=gl.SliceLayout(0, io_layout))
     tok_io = t0 + WG * TOKS + r_io // GROUP
     qh_io = kvh * GROUP + r_io % GROUP
@@ -149,15 +148,15 @@ def _consumer_partition(rows, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.const
     fence_async_shared()
 
     # key position of each row (padding rows act as the tile's last token: never without keys)
-    r_s = gl.arange(0, R, layout=gl.SliceLayout(1, s_layout))
-    t_last = gl.minimum(t0 + 2 * TOKS, q_len) - 1
+    r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    t_last = gl.minimum(t0 + CONSUMERS * TOKS, q_len) - 1
     pos = off + gl.minimum(t0 + WG * TOKS + r_s // GROUP, t_last)
     n_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
-    m_i = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([R], gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([R, D], gl.float32, layout=o_layout)
-    zero_s = gl.zeros([R, BLOCK_N], gl.float32, layout=s_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
 
     # FA-3's intra-warpgroup pipeline: S_j = Q K_j^T is issued before P_{j-1} V_{j-1}, and the
     # softmax of S_j runs while that PV GEMM is in flight.
@@ -198,7 +197,7 @@ def _consumer_partition(rows, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.const
     l_o = gl.convert_layout(gl.where(empty, 1.0, l_i), gl.SliceLayout(1, o_layout))
     o = acc / l_o[:, None]
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    r_l = gl.arange(0, R, layout=gl.SliceLayout(1, s_layout))
+    r_l = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     tok_l = t0 + WG * TOKS + r_l // GROUP
     qh_l = kvh * GROUP + r_l % GROUP
     row_l = q_begin + tok_l
@@ -222,7 +221,7 @@ def _prefill_sm90_kernel(
     GROUP: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr,
     STAGES: gl.constexpr, BLOCK_B: gl.constexpr, CAUSAL: gl.constexpr, SINKS: gl.constexpr,
 ):
-    TOK: gl.constexpr = 2 * 64 // GROUP  # query tokens per program (two warpgroups of 64 rows)
+    TOK: gl.constexpr = CONSUMERS * ROWS // GROUP  # query tokens per program
     pid = gl.program_id(0)
     kvh = gl.program_id(1)
     b = _find_tile(qsl_ptr, batch, pid, TOK, BLOCK_B, gl.num_warps())
@@ -247,8 +246,8 @@ def _prefill_sm90_kernel(
         bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_btb
 
         dtype: gl.constexpr = q_ptr.dtype.element_ty
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, D], dtype)
-        q_smem = gl.allocate_shared_memory(dtype, [2, 64, D], q_layout)
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype)
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, D], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -258,8 +257,8 @@ def _prefill_sm90_kernel(
         for s in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(s), count=1)
             mbarrier.init(v_ready.index(s), count=1)
-            mbarrier.init(k_empty.index(s), count=2)  # both consumers release a stage
-            mbarrier.init(v_empty.index(s), count=2)
+            mbarrier.init(k_empty.index(s), count=CONSUMERS)  # every consumer releases a stage
+            mbarrier.init(v_empty.index(s), count=CONSUMERS)
 
         rows = (q_ptr, out_ptr, lse_ptr, sinks_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                 stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, sm_scale, q_begin, q_len, num_tokens,
@@ -268,8 +267,7 @@ def _prefill_sm90_kernel(
             (_consumer_partition, (rows, 0, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS)),
             (_consumer_partition, (rows, 1, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS)),
             (_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, bt_row_ptr,
-                               stride_btn,
-                               seq_len, n_tiles, kvh, page_rows, head_rows, head_cols, oob_row,
+                               stride_btn, seq_len, n_tiles, kvh, page_rows, head_rows, head_cols, oob_row,
                                BS, BLOCK_N, PAGE_BOX, STAGES)),
         ], [4, 1], [232, 40])
 
@@ -305,7 +303,7 @@ def sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     t, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    if d not in (64, 128) or q.stride(2) != 1 or bs < 16 or bs & (bs - 1) or group > 64 or group & (group - 1):
+    if d not in (64, 128) or q.stride(2) != 1 or bs < 16 or bs & (bs - 1) or group > ROWS.value or group & (group - 1):
         return None
     if softcap or window or scales[0] is not None:
         return None
@@ -329,7 +327,7 @@ def prefill_sm90(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sc
     for cache, (rows, width, *_) in zip((k_cache, v_cache), cfg["views"]):
         descs.append(TensorDescriptor(cache, [rows, width], [cache.stride(1), 1], [box, d], layout))
     _, _, page_rows, head_rows, head_cols = cfg["views"][0]
-    tok = CONSUMERS * ROWS // group
+    tok = CONSUMERS.value * ROWS.value // group
     block_b = min(1024, triton.next_power_of_2(batch + 1))
     grid = (t // tok + batch, hkv)
     _prefill_sm90_kernel[grid](
