@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 import paged_backend as pb  # noqa: E402
+from paged_backend.cascade import cascade_node_kernel_name  # noqa: E402
 
 BENCH = "cascade"
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -229,8 +230,10 @@ def main():
                 entry.update(us=us, floor_pct=100 * case["unique_bytes"] / (us * 1e-6) / 1e9 / bw)
                 if impl == "ours_cascade":
                     cp = case["cplan"]
+                    q, k, v = case["sets"][0]
                     entry.update(nodes=cp.num_nodes, block_m=cp.block_m, flat=cp.is_flat,
-                                 node_pieces=cp.num_node_pieces, leaf_pieces=cp.num_leaf_pieces)
+                                 node_pieces=cp.num_node_pieces, leaf_pieces=cp.num_leaf_pieces,
+                                 node_kernel=cascade_node_kernel_name(q, k, v, cp))
                 res[impl] = entry
             except Exception as e:  # noqa: BLE001
                 res[impl] = {"error": C.short_error(e)}
@@ -248,7 +251,10 @@ def main():
 
         def cell(impl):
             e = res.get(impl, {})
-            return f"{e['us']:.1f} us, {e['floor_pct']:.0f}%" if "us" in e else ("err" if "error" in e else "-")
+            if "us" not in e:
+                return "err" if "error" in e else "-"
+            node = f" ({e['node_kernel']} nodes)" if e.get("node_kernel") and not e.get("flat") else ""
+            return f"{e['us']:.1f} us, {e['floor_pct']:.0f}%{node}"
         rows.append([name, cell("ours_cascade"), cell("ours_flat"), cell("fi_cascade"), cell("fi_flat"),
                      *(f"{res[k]:.2f}x" if k in res else "-" for k in
                        ("speedup_vs_ours_flat", "speedup_vs_fi_cascade", "speedup_vs_fi_flat"))])

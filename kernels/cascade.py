@@ -28,7 +28,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from paged_backend.kernels.attend import (LOG2E, attend_paged_range, dequantized, fast_tanh, fp8_mma_f16, mma_operand,
                                           sink_states, soft_cap)
 from paged_backend.kernels.decode import call_key, fold_states, remember, run_pieces
-from paged_backend.kernels.dispatch import use_pdl
+from paged_backend.kernels.dispatch import use_pdl, use_sm90
 from paged_backend.kernels.launch import launch, pow2, replay_stream
 
 # Warps per node tile of BLOCK_M rows (H100 sweeps, 2026-11-21): a 256-row tile on 16 warps keeps
@@ -139,7 +139,13 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
                 relaunch(stream, *lead)
             return
 
+    sm90 = node_sm90_config(q, k_cache, v_cache, plan, softcap, scales) if plan.num_node_pieces else None
+
     def nodes():
+        if sm90 is not None:  # Hopper: kernels/cascade_sm90.py (no relaunch: it goes the normal way)
+            from paged_backend.kernels.cascade_sm90 import cascade_nodes_sm90
+            cascade_nodes_sm90(q, k_cache, v_cache, plan, scale, sm90)
+            return None
         bm = plan.block_m
         bound = launch(
             _cascade_node_kernel, (plan.node_programs,),
@@ -257,3 +263,11 @@ def cascade_torch(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: fl
     sink_states(run_o, run_lse, sinks)
     out.copy_(run_o.to(out.dtype))
     lse.copy_(run_lse)
+
+
+def node_sm90_config(q, k_cache, v_cache, plan, softcap: float, scales):
+    """The Hopper node kernel's settings for this call, or None (the portable node kernel runs)."""
+    if not use_sm90(q.device):
+        return None
+    from paged_backend.kernels.cascade_sm90 import node_sm90_config as config
+    return config(q, k_cache, v_cache, plan, softcap, scales)

@@ -197,3 +197,13 @@ def _check_forest(forest, groups, forest_rows, batch: int, **shape):
     if rows.size == forest.batch_size and np.array_equal(rows, np.arange(rows.size)):
         return None  # the same batch: its partition may be copied too
     return rows
+
+
+def cascade_node_kernel_name(q, k_cache, v_cache, cplan, softcap: float = 0.0, scales=(None, None)) -> str:
+    """Which kernel runs ``cplan``'s node pieces in :func:`cascade_decode`: ``"sm90"`` (Gluon,
+    Hopper), ``"portable"`` (Triton) or ``"torch"``. Benchmarks print it."""
+    from paged_backend.kernels.cascade import node_sm90_config
+    from paged_backend.kernels.dispatch import use_triton
+    if q.is_cuda and node_sm90_config(q, k_cache, v_cache, cplan, softcap, scales) is not None:
+        return "sm90"
+    return "portable" if use_triton(q) else "torch"

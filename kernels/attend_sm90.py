@@ -1,0 +1,246 @@
+"""Gluon building blocks of the Hopper (sm_90) kernels: paged K/V through TMA, attention of 64 query
+rows per warpgroup with asynchronous wgmma.
+
+Pages: the caches are read through 2-D TMA descriptors over their storage, ``[rows, width]`` with
+row stride ``stride_ks``; key ``n`` of KV head ``h`` of page ``p`` is row ``p * PAGE_ROWS + h *
+HEAD_ROWS + n % BS``, column ``h * HEAD_COLS`` (NHD caches: ``HEAD_ROWS = 0``; HND caches:
+``HEAD_COLS = 0``). A tile of ``BLOCK_N`` keys is ``BLOCK_N // PAGE_BOX`` boxes, one per page (or
+page part). Boxes at or past a bound ``hi`` are loaded from row ``rows`` (out of bounds: TMA fills
+zeros), so no block-table entry past it is used.
+
+Rings: K and V tiles live in ``STAGES``-deep shared rings with a ``ready`` mbarrier per stage
+(TMA completes it) and an ``empty`` one (each consumer warpgroup arrives once it has read the stage).
+A kernel's loader and consumers count tiles with one running index ``it`` (stage ``it % STAGES``,
+phase ``(it // STAGES) & 1``), across all the work items a persistent program walks.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M per warpgroup)
+CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (registers: 2 x 128 threads at 232)
+
+
+@gluon.constexpr_function
+def mma_layout(n):
+    """The accumulator layout of a ``[ROWS, n]`` wgmma on one warpgroup."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _box_row(bt_row_ptr, stride_btn, n, hi, kvh, page_rows, head_rows, oob_row, BS: gl.constexpr):
+    """TMA row of the page box starting at key ``n``; boxes at or past ``hi`` read out of bounds."""
+    page = gl.load(bt_row_ptr + (n // BS) * stride_btn, mask=n < hi, other=0)
+    return gl.where(n < hi, page * page_rows + kvh * head_rows + n % BS, oob_row)
+
+
+@gluon.jit
+def load_tile(desc, smem, ready, empty, free, bt_row_ptr, stride_btn, n0, hi, kvh, col, page_rows, head_rows,
+              oob_row, BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr):
+    """Keys ``n0 .. n0 + BLOCK_N`` of one cache into ``smem`` once the stage is free (phase
+    ``free``): one TMA box per page."""
+    mbarrier.wait(empty, free)
+    mbarrier.expect(ready, BLOCK_N * desc.block_type.shape[1] * desc.dtype.primitive_bitwidth // 8)
+    for i in gl.static_range(BLOCK_N // PAGE_BOX):
+        row = _box_row(bt_row_ptr, stride_btn, n0 + i * PAGE_BOX, hi, kvh, page_rows, head_rows, oob_row, BS)
+        tma.async_copy_global_to_shared(desc, [row, col], ready, smem.slice(i * PAGE_BOX, PAGE_BOX))
+
+
+@gluon.jit
+def load_range(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles, bt_row_ptr,
+               stride_btn, n0, hi, kvh, col, page_rows, head_rows, oob_row,
+               BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr, STAGES: gl.constexpr):
+    """The loader's part of one work item: ``n_tiles`` K and V tiles from key ``n0``, ring tiles
+    ``it ..``. -> the next ring index."""
+    for j in range(n_tiles):
+        s = (it + j) % STAGES
+        free = (((it + j) // STAGES) & 1) ^ 1  # a fresh barrier passes phase 1
+        load_tile(k_desc, k_smem.index(s), k_ready.index(s), k_empty.index(s), free, bt_row_ptr, stride_btn,
+                  n0 + j * BLOCK_N, hi, kvh, col, page_rows, head_rows, oob_row, BS, BLOCK_N, PAGE_BOX)
+        load_tile(v_desc, v_smem.index(s), v_ready.index(s), v_empty.index(s), free, bt_row_ptr, stride_btn,
+                  n0 + j * BLOCK_N, hi, kvh, col, page_rows, head_rows, oob_row, BS, BLOCK_N, PAGE_BOX)
+    return it + n_tiles
+
+
+@gluon.jit
+def _softmax_tile(s_acc, m_i, l_i, qk_scale, keys, pos, hi, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """Online-softmax update of one tile of raw scores ``s_acc [ROWS, BLOCK_N]`` (exp2 domain);
+    ``MASKED``: keys at or past ``hi`` (and, ``CAUSAL``, past the row's position) are masked."""
+    s = s_acc * qk_scale
+    if MASKED:
+        ok = keys[None, :] < hi
+        if CAUSAL:
+            ok = ok & (keys[None, :] <= pos[:, None])
+        s = gl.where(ok, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_use = m_new
+    if MASKED:  # a row without keys yet (only with lengths the API rejects) exponentiates against 0
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _softmax_step(s_acc, m_i, l_i, qk_scale, keys, pos, hi, n_full, j, CAUSAL: gl.constexpr):
+    """Tile ``j``: unmasked below ``n_full`` (every row sees all its keys), masked from there."""
+    if j < n_full:
+        p, alpha, m_i, l_i = _softmax_tile(s_acc, m_i, l_i, qk_scale, keys, pos, hi, False, CAUSAL)
+    else:
+        p, alpha, m_i, l_i = _softmax_tile(s_acc, m_i, l_i, qk_scale, keys, pos, hi, True, CAUSAL)
+    return p, alpha, m_i, l_i
+
+
+@gluon.jit
+def attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles, n_full, n0, hi, pos,
+                 qk_scale, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                 ZERO_TAIL: gl.constexpr):
+    """One warpgroup's ``ROWS`` query rows (``q_tile`` in shared memory) over ``n_tiles >= 1`` key
+    tiles from key ``n0`` (ring tiles ``it ..``); tiles from ``n_full`` on are masked (keys ``>= hi``;
+    ``CAUSAL``: past ``pos [ROWS]``). ``ZERO_TAIL``: the last tile's V rows at or past ``hi`` may
+    hold anything (NaN x 0 is NaN) and are zeroed in shared memory first (every consumer writes the
+    same zeros). -> (acc [ROWS, D] fp32, m [ROWS], l [ROWS]) in the exp2 domain.
+
+    FA-3's intra-warpgroup pipeline: ``S_j = Q K_j^T`` is issued before ``P_{j-1} V_{j-1}``, and the
+    softmax of ``S_j`` runs while that GEMM is in flight."""
+    s_layout: gl.constexpr = mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(D)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = q_tile.dtype
+    n_s = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, D], gl.float32, layout=o_layout)
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+    s = it % STAGES
+    mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
+    s_acc = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False)
+    mbarrier.arrive(k_empty.index(s), count=1)
+    p, alpha, m_i, l_i = _softmax_step(s_acc, m_i, l_i, qk_scale, n_s, pos, hi, n_full, 0, CAUSAL)
+    for j in range(1, n_tiles):
+        s = (it + j) % STAGES
+        sp = (it + j - 1) % STAGES
+        mbarrier.wait(k_ready.index(s), ((it + j) // STAGES) & 1)
+        s_tok = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(sp), ((it + j - 1) // STAGES) & 1)
+        o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(sp), acc, is_async=True)
+        s_acc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))  # wgmma groups complete in order
+        mbarrier.arrive(k_empty.index(s), count=1)
+        p, alpha, m_i, l_i = _softmax_step(s_acc, m_i, l_i, qk_scale, n_s + j * BLOCK_N, pos, hi, n_full, j, CAUSAL)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
+        mbarrier.arrive(v_empty.index(sp), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    last = it + n_tiles - 1
+    s = last % STAGES
+    mbarrier.wait(v_ready.index(s), (last // STAGES) & 1)
+    v_tile = v_smem.index(s)
+    if ZERO_TAIL:
+        n_last = n0 + (n_tiles - 1) * BLOCK_N
+        if n_last + BLOCK_N > hi:
+            v = v_tile.load(io_layout())
+            keys = n_last + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout()))
+            v_tile.store(gl.where(keys[:, None] < hi, v, gl.zeros_like(v)))
+            fence_async_shared()
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc)
+    mbarrier.arrive(v_empty.index(s), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def alloc_rings(k_desc, v_desc, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Shared memory of a program: Q tiles (one per consumer), the K and V rings and their
+    barriers. -> (q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty)."""
+    dtype: gl.constexpr = k_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, D], gl.NVMMASharedLayout.get_default_for([ROWS, D],
+                                                                                                      dtype))
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=CONSUMERS)  # every consumer releases a stage
+        mbarrier.init(v_empty.index(s), count=CONSUMERS)
+    return q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
+
+
+@gluon.jit
+def finish_state(acc, m_i, l_i):
+    """(acc, m, l) in the exp2 domain -> (o [ROWS, D] fp32, lse [ROWS] natural log); rows that saw
+    no key give o = 0, lse = -inf."""
+    empty = l_i == 0.0
+    o = acc / gl.convert_layout(gl.where(empty, 1.0, l_i), gl.SliceLayout(1, acc.type.layout))[:, None]
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    return o, lse
+
+
+@gluon.jit
+def load_rows(q_tile, q_ptr, q_row, qh, ok, stride_qt, stride_qh, D: gl.constexpr):
+    """Query rows ``q_row [ROWS]`` (int64), heads ``qh [ROWS]`` -> ``q_tile`` (wgmma's A operand);
+    rows not ``ok`` are zeros. The index vectors are in :func:`io_layout`'s row slice."""
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, io_layout()))
+    q = gl.load(q_ptr + q_row[:, None] * stride_qt + qh[:, None] * stride_qh + d[None, :], mask=ok[:, None], other=0.0)
+    q_tile.store(q)
+    fence_async_shared()
+
+
+@gluon.constexpr_function
+def io_layout():
+    """Rows of 16-bit values, 16 bytes a thread, over one warpgroup (loads and stores of ``[ROWS, D]``)."""
+    return gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+
+def page_view(cache: torch.Tensor):
+    """``(rows, width, page_rows, head_rows, head_cols)`` of the 2-D TMA view of a cache
+    ``[NB, BS, Hkv, D]``, or None when its strides do not allow one (see the module doc)."""
+    nb, bs, hkv, d = cache.shape
+    sb, ss, sh, sd = cache.stride()
+    esize = cache.element_size()
+    if sd != 1 or ss <= 0 or sb % ss or (ss * esize) % 16 or cache.data_ptr() % 16:
+        return None
+    if sh % ss == 0 and sh >= bs * ss:  # HND: a head's slots are rows of their own
+        head_rows, head_cols, width = sh // ss, 0, d
+    elif sh >= d and (hkv - 1) * sh + d <= ss:  # NHD: heads side by side in a slot's row
+        head_rows, head_cols, width = 0, sh, ss
+    else:
+        return None
+    page_rows = sb // ss
+    rows = (nb - 1) * page_rows + (hkv - 1) * head_rows + bs
+    return rows, width, page_rows, head_rows, head_cols
+
+
+def covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """The TMA views of ``(k_cache, v_cache)`` when the sm_90 kernels cover these inputs, else None:
+    fp16/bf16 queries over a cache of the same dtype, head size 64 or 128, pages of 16+ tokens (a
+    power of two), query heads per KV head a power of two up to 64, strides :func:`page_view` takes."""
+    if q.dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return None
+    hq, d = q.shape[-2:]
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    if d not in (64, 128) or q.stride(-1) != 1 or bs < 16 or bs & (bs - 1) or group > ROWS.value or group & (group - 1):
+        return None
+    views = page_view(k_cache), page_view(v_cache)
+    if None in views or views[0] != views[1]:
+        return None
+    return views[0]
+
+
+def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, view, box: int, block_n: int):
+    """TMA descriptors of the two caches' views (:func:`page_view`), ``[box, D]`` boxes landing in
+    ``[block_n, D]`` shared tiles."""
+    rows, width = view[:2]
+    d = k_cache.shape[-1]
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.float16 if k_cache.dtype == torch.float16
+                                                  else gl.bfloat16)
+    return [TensorDescriptor(c, [rows, width], [c.stride(1), 1], [box, d], layout) for c in (k_cache, v_cache)]

@@ -1,0 +1,130 @@
+"""The cascade node kernel for Hopper (sm_90): the node pieces of a ``CascadePlan`` with TMA page loads
+and warp-specialised wgmma (kernels/attend_sm90.py), writing the same partial states as
+``_cascade_node_kernel`` (kernels/cascade.py), which the tails and the fold then use unchanged.
+
+A piece = (node, KV head, row block of 128 rows, token range): its rows are ``128 // GP`` member
+requests x ``GP`` query heads (the plan's ``block_m`` of 128), two consumer warpgroups of 64 rows
+each; the loader warp streams the range's K/V tiles. Programs are persistent over the plan's piece
+lists (``node_prog_ptr``), and loader and consumers count ring tiles across pieces. Piece ranges
+start on a page or on a multiple of the plan's ``node_block_n`` (64) inside a node whose keys are
+whole shared pages, so page boxes of ``min(BS, 64)`` rows never straddle a page, and boxes past a
+range's end load zeros (no V tail to clean).
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from paged_backend.kernels.attend_sm90 import (CONSUMERS, ROWS, alloc_rings, attend_tiles, covered, descriptors,
+                                               finish_state, io_layout, load_range, load_rows, mma_layout)
+
+NODE_BLOCK_M = 128  # the plan tile the kernel takes: CONSUMERS x ROWS rows
+
+
+@gluon.jit
+def _node_load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, work_ptr, prog_ptr,
+                         bt_ptr, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
+                         BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the K/V tiles of every piece of this program, in order."""
+    g = gl.program_id(0)
+    it = gl.to_tensor(0)  # ring tiles so far (a tensor: it is carried through the loop)
+    for p in range(gl.load(prog_ptr + g), gl.load(prog_ptr + g + 1)):
+        w = work_ptr + p * 7  # (rep request, kv_head, member base, members, token_start, token_end, slot base)
+        kvh = gl.load(w + 1)
+        start = gl.load(w + 4)
+        end = gl.load(w + 5)
+        bt_row_ptr = bt_ptr + gl.load(w).to(gl.int64) * stride_btb
+        it = load_range(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it,
+                        gl.maximum(gl.cdiv(end - start, BLOCK_N), 1), bt_row_ptr, stride_btn, start, end, kvh,
+                        kvh * head_cols, page_rows, head_rows, oob_row, BS, BLOCK_N, PAGE_BOX, STAGES)
+
+
+@gluon.jit
+def _node_consumer_partition(rows, WG: gl.constexpr, GROUP: gl.constexpr, GP: gl.constexpr, D: gl.constexpr,
+                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: rows ``WG * ROWS ..`` of each piece (members x ``GP`` heads) -> partial slots."""
+    (q_ptr, members_ptr, work_ptr, prog_ptr, po_ptr, plse_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
+     v_empty, stride_qb, stride_qh, stride_pop, stride_poh, stride_plp, stride_plh, sm_scale) = rows
+    s_layout: gl.constexpr = mma_layout(BLOCK_N)
+    r_io = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout()))
+    d_io = gl.arange(0, D, layout=gl.SliceLayout(0, io_layout()))
+    r_s = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    q_tile = q_smem.index(WG)
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+    mem = r_io // GP  # member (within the piece's row block) and head of each row
+    head = r_io % GP
+    mem_s = r_s // GP
+    g = gl.program_id(0)
+    it = gl.to_tensor(0)
+    for p in range(gl.load(prog_ptr + g), gl.load(prog_ptr + g + 1)):
+        w = work_ptr + p * 7
+        kvh = gl.load(w + 1)
+        mbase = gl.load(w + 2)
+        n_in = gl.load(w + 3)
+        start = gl.load(w + 4)
+        end = gl.load(w + 5)
+        slot_base = gl.load(w + 6)
+        ok = (mem < n_in) & (head < GROUP)
+        req = gl.load(members_ptr + mbase + mem, mask=mem < n_in, other=0).to(gl.int64)
+        load_rows(q_tile, q_ptr, req, kvh * GROUP + head, ok, stride_qb, stride_qh, D)
+        n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 1)
+        acc, m_i, l_i = attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles,
+                                     (end - start) // BLOCK_N, start, end, r_s, qk_scale, D, BLOCK_N, STAGES,
+                                     False, False)
+        it += n_tiles
+        o, lse = finish_state(acc, m_i, l_i)
+        slot = (slot_base + mem).to(gl.int64)
+        gl.store(po_ptr + slot[:, None] * stride_pop + head[:, None] * stride_poh + d_io[None, :],
+                 gl.convert_layout(o, io_layout()), mask=ok[:, None])
+        ok_s = (mem_s < n_in) & (r_s % GP < GROUP)
+        gl.store(plse_ptr + (slot_base + mem_s).to(gl.int64) * stride_plp + (r_s % GP) * stride_plh, lse, mask=ok_s)
+
+
+@gluon.jit
+def _cascade_node_sm90_kernel(
+    q_ptr, k_desc, v_desc, bt_ptr, members_ptr, work_ptr, prog_ptr, po_ptr, plse_ptr,
+    sm_scale, page_rows, head_rows, head_cols, oob_row,
+    stride_qb, stride_qh, stride_btb, stride_btn, stride_pop, stride_poh, stride_plp, stride_plh,
+    GROUP: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+    PAGE_BOX: gl.constexpr, STAGES: gl.constexpr,
+):
+    q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_rings(k_desc, v_desc, D, BLOCK_N, STAGES)
+    rows = (q_ptr, members_ptr, work_ptr, prog_ptr, po_ptr, plse_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
+            v_empty, stride_qb, stride_qh, stride_pop, stride_poh, stride_plp, stride_plh, sm_scale)
+    gl.warp_specialize([
+        (_node_consumer_partition, (rows, 0, GROUP, GP, D, BLOCK_N, STAGES)),
+        (_node_consumer_partition, (rows, 1, GROUP, GP, D, BLOCK_N, STAGES)),
+        (_node_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, work_ptr, prog_ptr,
+                                bt_ptr, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
+                                BS, BLOCK_N, PAGE_BOX, STAGES)),
+    ], [4, 1], [232, 40])
+
+
+def node_sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan, softcap: float,
+                     scales) -> dict | None:
+    """The Hopper node kernel's settings for a plan's node pieces, or None (the portable node kernel
+    runs; the caller checked the device): what ``attend_sm90.covered`` covers, a plan tile of 128
+    rows and node ranges cut at multiples of 64 keys, no window, soft-capping or fp8 scales."""
+    if softcap or scales[0] is not None or plan.window or plan.block_m != NODE_BLOCK_M or plan.node_block_n % 64:
+        return None
+    view = covered(q, k_cache, v_cache)
+    if view is None:
+        return None
+    return dict(block_n=128, page_box=min(k_cache.shape[1], 64), stages=2, view=view)
+
+
+def cascade_nodes_sm90(q, k_cache, v_cache, plan, scale: float, cfg: dict) -> None:
+    """The plan's node pieces into its partial slots (``plan.partial_o`` / ``partial_lse``)."""
+    hq, d = q.shape[1], q.shape[2]
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    v, view = plan.views, cfg["view"]
+    bt, po, plse = v["block_table"], plan.partial_o, plan.partial_lse
+    _cascade_node_sm90_kernel[(plan.node_programs,)](
+        q, *descriptors(k_cache, v_cache, view, cfg["page_box"], cfg["block_n"]), bt, v["members"], v["node_work"],
+        v["node_prog_ptr"], po, plse, scale, *view[2:], view[0],
+        q.stride(0), q.stride(1), *bt.stride(), po.stride(0), po.stride(1), *plse.stride(),
+        GROUP=group, GP=1 << max(0, (group - 1).bit_length()), BS=bs, D=d, BLOCK_N=cfg["block_n"],
+        PAGE_BOX=cfg["page_box"], STAGES=cfg["stages"], num_warps=4,
+    )

@@ -1,0 +1,92 @@
+"""The Hopper cascade node kernel (kernels/cascade_sm90.py) inside ``cascade_decode``, against the dense
+fp64 decode reference, on an sm_90 GPU. Each case asserts the node pieces really ran on it
+(``cascade_node_kernel_name``); other machines skip the file (tests/test_cascade.py covers the
+portable node kernel there). CUDA-graph replay: tests/test_cascade.py's GPU test (its 1000/64/17
+case plans 128-row node tiles, which run here on Hopper)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import paged_backend as pb
+from paged_backend.cascade import cascade_node_kernel_name
+from paged_backend.kernels.dispatch import SM90_TRITON, triton_release
+from tests.paged_inputs import make_cache, poison_outside
+from tests.reference import assert_close_state, decode_reference
+from tests.test_cascade import KEEP_ALL
+
+hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+         and triton_release() in SM90_TRITON),
+    reason=f"needs an sm_90 GPU (H100/H200) and a Triton release the Gluon kernels were checked on {SM90_TRITON}")
+pytestmark = [pytest.mark.gpu, hopper]
+
+
+def groups_inputs(prefixes, n, suffix, hq, hkv, d, bs, dtype, layout="nhd", system=0, seed=0):
+    """``len(prefixes)`` groups of ``n`` requests; group ``g`` shares ``system`` tokens with every
+    group and ``prefixes[g]`` more within itself; each request has ``suffix`` private tokens."""
+    rng = np.random.default_rng(seed)
+    sys_blocks = system // bs
+    per = [-(-(system + p + suffix) // bs) for p in prefixes]
+    shared = [sys_blocks + p // bs for p in prefixes]
+    nb = sys_blocks + sum(s - sys_blocks + n * (c - s) for s, c in zip(shared, per)) + 4
+    perm = iter(rng.permutation(nb).tolist())
+    sys_ids = [next(perm) for _ in range(sys_blocks)]
+    rows, lens = [], []
+    for g, p in enumerate(prefixes):
+        own = sys_ids + [next(perm) for _ in range(shared[g] - sys_blocks)]
+        for _ in range(n):
+            rows.append(own + [next(perm) for _ in range(per[g] - shared[g])])
+            lens.append(system + p + suffix)
+    cols = max(map(len, rows))
+    table = np.zeros((len(rows), cols), np.int32)
+    for i, r in enumerate(rows):
+        table[i, :len(r)] = r
+    order = rng.permutation(len(rows))
+    table, lens = np.ascontiguousarray(table[order]), np.asarray(lens, np.int64)[order]
+    k, v = make_cache(nb, bs, hkv, d, dtype, device="cuda", layout=layout)
+    q = torch.randn(len(rows), hq, d, device="cuda").to(dtype)
+    return q, k, v, table, lens
+
+
+def run_case(q, k, v, table, lens, bs, **plan_kw):
+    hq, hkv, d = q.shape[1], k.shape[2], q.shape[2]
+    bt = torch.from_numpy(table).cuda()
+    sl = torch.from_numpy(lens.astype(np.int32)).cuda()
+    cplan = pb.plan_cascade(table, lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device="cuda",
+                            cost=KEEP_ALL, block_table_device=bt, **plan_kw)
+    assert not cplan.is_flat and cascade_node_kernel_name(q, k, v, cplan) == "sm90", cplan.block_m
+    out, lse = pb.cascade_decode(q, k, v, cplan)
+    ref_o, ref_l = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu())
+    assert_close_state(out, lse, ref_o, ref_l, q.dtype)
+    return out, lse, cplan
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["nhd", "vllm"])
+@pytest.mark.parametrize("case", [
+    dict(prefixes=[2000], n=32, suffix=37, hq=32, hkv=8, d=128, bs=16),       # one node, 128 rows
+    dict(prefixes=[1024, 400, 3000], n=16, suffix=5, hq=32, hkv=4, d=128, bs=32, system=512),  # two levels, group 8
+    dict(prefixes=[777 // 16 * 16], n=64, suffix=16, hq=16, hkv=8, d=64, bs=16),  # group 2, d 64
+    dict(prefixes=[4096], n=40, suffix=100, hq=32, hkv=8, d=128, bs=64),      # 40 members: a partial row block
+])
+def test_against_fp64(case, layout, dtype):
+    case = dict(case)
+    bs = case["bs"]
+    q, k, v, table, lens = groups_inputs(case.pop("prefixes"), case.pop("n"), case.pop("suffix"), case.pop("hq"),
+                                         case.pop("hkv"), case.pop("d"), case.pop("bs"), dtype, layout, **case)
+    run_case(q, k, v, table, lens, bs)
+
+
+def test_cut_pieces_deterministic_and_poisoned():
+    """Few programs over a long node: its range is cut into pieces (stream-K), each a partial state;
+    slots outside every request hold NaN; two runs are bitwise equal."""
+    q, k, v, table, lens = groups_inputs([8192], 32, 3, 32, 8, 128, 16, torch.bfloat16)
+    bt, sl = torch.from_numpy(table).cuda(), torch.from_numpy(lens.astype(np.int32)).cuda()
+    poison_outside(k, v, bt, sl, float("nan"))
+    first = run_case(q, k, v, table, lens, 16, node_programs=7)
+    assert first[2].num_node_pieces > 8  # 8 KV heads, cut
+    again = pb.cascade_decode(q, k, v, first[2])
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
