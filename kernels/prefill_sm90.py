@@ -10,17 +10,18 @@ compiler does not let a ``tl.dot`` kernel control (FlashAttention-3's structure)
   ``v_empty``);
 - two **consumer** warpgroups own 64 query rows each (``TOK`` tokens x ``GROUP`` heads of one KV
   head) and run ``S = Q K^T`` and ``O += P V`` on the tensor cores (wgmma: Q and K, V from shared
-  memory, P from registers). Their softmaxes drift apart from each other, so one warpgroup's
-  exponentials overlap the other's GEMMs; within a warpgroup the next tile's ``Q K^T`` is issued
-  before this tile's softmax (FA-3's intra-warpgroup pipelining).
+  memory, P from registers). Within a warpgroup, tile ``j``'s ``Q K^T`` is issued before tile
+  ``j-1``'s ``P V``, and tile ``j``'s softmax runs while that GEMM is in flight (FA-3's
+  intra-warpgroup pipelining). The two warpgroups run unsynchronised: a ping-pong schedule making
+  them take turns at the tensor cores measured no better (docs/prefill.md).
 
 Pages are read as kernels/attend_sm90.py describes; boxes past the request's length load zeros,
 so no block-table entry past it is used. Slots past the length inside its last page may hold
 anything (NaN): scores there are masked, and the consumers zero those rows of the V tile before
 ``P V`` (NaN x 0 is NaN).
 
-Deterministic: every row's keys are folded in one fixed order. The launcher
-(:func:`prefill_sm90`) checks the subset this kernel covers; everything else runs the portable kernel.
+Deterministic: every row's keys are folded in one fixed order. :func:`sm90_config` checks the subset
+this kernel covers; everything else runs the portable kernel.
 """
 from __future__ import annotations
 
