@@ -144,7 +144,7 @@ def _prefill_sm90_kernel(
             (_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, bt_row_ptr,
                                stride_btn, seq_len, n_tiles, kvh, page_rows, head_rows, head_cols, oob_row,
                                BS, BLOCK_N, PAGE_BOX, STAGES)),
-        ], [4, 1], [232, 40])
+        ], [4, 1], [240, 24])
 
 
 def sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, softcap: float, window: int,
