@@ -125,7 +125,8 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
     # the plan's launchers are called directly. Only the one-stream order is kept.
     relaunches = None
     if one_stream:
-        key, ptrs = call_key((q, k_cache, v_cache, bt, sl, out, lse), scale, softcap, pdl,  # (bt, sl: the plan's)
+        # (bt, sl: the plan's; the cache's shape: the Hopper node kernel's TMA descriptors span it)
+        key, ptrs = call_key((q, k_cache, v_cache, bt, sl, out, lse), k_cache.shape[0], scale, softcap, pdl,
                              sinks is not None and sinks.data_ptr(), *(s is not None and s.data_ptr() for s in scales))
         relaunches = plan.launches.get(key)
     if relaunches is not None:
@@ -142,10 +143,9 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
     sm90 = node_sm90_config(q, k_cache, v_cache, plan, softcap, scales) if plan.num_node_pieces else None
 
     def nodes():
-        if sm90 is not None:  # Hopper: kernels/cascade_sm90.py (no relaunch: it goes the normal way)
+        if sm90 is not None:  # Hopper: kernels/cascade_sm90.py
             from paged_backend.kernels.cascade_sm90 import cascade_nodes_sm90
-            cascade_nodes_sm90(q, k_cache, v_cache, plan, scale, sm90)
-            return None
+            return cascade_nodes_sm90(q, k_cache, v_cache, plan, scale, sm90, pdl)
         bm = plan.block_m
         bound = launch(
             _cascade_node_kernel, (plan.node_programs,),

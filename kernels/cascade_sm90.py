@@ -9,6 +9,10 @@ lists (``node_prog_ptr``), and loader and consumers count ring tiles across piec
 start on a page or on a multiple of the plan's ``node_block_n`` (64) inside a node whose keys are
 whole shared pages, so page boxes of ``min(BS, 64)`` rows never straddle a page, and boxes past a
 range's end load zeros (no V tail to clean).
+
+As the portable node kernel, it lets the tails launch at once (PDL), and the plan replays it on later
+calls through a ``DescriptorRelaunch`` (kernels/launch.py): Gluon's launch path with its descriptors
+costs far more host time than the kernel takes on short nodes.
 """
 from __future__ import annotations
 
@@ -16,8 +20,11 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from triton.language.extra.cuda import gdc_launch_dependents
+
 from paged_backend.kernels.attend_sm90 import (CONSUMERS, ROWS, alloc_rings, attend_tiles, covered, descriptors,
                                                finish_state, io_layout, load_range, load_rows, mma_layout)
+from paged_backend.kernels.launch import DescriptorRelaunch, bind
 
 NODE_BLOCK_M = 128  # the plan tile the kernel takes: CONSUMERS x ROWS rows
 
@@ -87,8 +94,10 @@ def _cascade_node_sm90_kernel(
     sm_scale, page_rows, head_rows, head_cols, oob_row,
     stride_qb, stride_qh, stride_btb, stride_btn, stride_pop, stride_poh, stride_plp, stride_plh,
     GROUP: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-    PAGE_BOX: gl.constexpr, STAGES: gl.constexpr,
+    PAGE_BOX: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
 ):
+    if PDL:  # the tails (and the merge) may launch now: they wait for this grid where they must
+        gdc_launch_dependents()
     q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_rings(k_desc, v_desc, D, BLOCK_N, STAGES)
     rows = (q_ptr, members_ptr, work_ptr, prog_ptr, po_ptr, plse_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
             v_empty, stride_qb, stride_qh, stride_pop, stride_poh, stride_plp, stride_plh, sm_scale)
@@ -98,7 +107,7 @@ def _cascade_node_sm90_kernel(
         (_node_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, work_ptr, prog_ptr,
                                 bt_ptr, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
                                 BS, BLOCK_N, PAGE_BOX, STAGES)),
-    ], [4, 1], [232, 40])
+    ], [4, 1], [240, 24])
 
 
 def node_sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan, softcap: float,
@@ -114,17 +123,19 @@ def node_sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return dict(block_n=128, page_box=min(k_cache.shape[1], 64), stages=2, view=view)
 
 
-def cascade_nodes_sm90(q, k_cache, v_cache, plan, scale: float, cfg: dict) -> None:
-    """The plan's node pieces into its partial slots (``plan.partial_o`` / ``partial_lse``)."""
+def cascade_nodes_sm90(q, k_cache, v_cache, plan, scale: float, cfg: dict, pdl: bool):
+    """The plan's node pieces into its partial slots (``plan.partial_o`` / ``partial_lse``). -> a
+    relaunch of it taking the addresses of (q, k_cache, v_cache), or None (as ``launch(...).lead(3)``)."""
     hq, d = q.shape[1], q.shape[2]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     v, view = plan.views, cfg["view"]
     bt, po, plse = v["block_table"], plan.partial_o, plan.partial_lse
-    _cascade_node_sm90_kernel[(plan.node_programs,)](
-        q, *descriptors(k_cache, v_cache, view, cfg["page_box"], cfg["block_n"]), bt, v["members"], v["node_work"],
-        v["node_prog_ptr"], po, plse, scale, *view[2:], view[0],
-        q.stride(0), q.stride(1), *bt.stride(), po.stride(0), po.stride(1), *plse.stride(),
-        GROUP=group, GP=1 << max(0, (group - 1).bit_length()), BS=bs, D=d, BLOCK_N=cfg["block_n"],
-        PAGE_BOX=cfg["page_box"], STAGES=cfg["stages"], num_warps=4,
-    )
+    grid = (plan.node_programs,)
+    args = (q, *descriptors(k_cache, v_cache, view, cfg["page_box"], cfg["block_n"]), bt, v["members"],
+            v["node_work"], v["node_prog_ptr"], po, plse, scale, *view[2:], view[0],
+            q.stride(0), q.stride(1), *bt.stride(), po.stride(0), po.stride(1), *plse.stride())
+    kw = dict(GROUP=group, GP=1 << max(0, (group - 1).bit_length()), BS=bs, D=d, BLOCK_N=cfg["block_n"],
+              PAGE_BOX=cfg["page_box"], STAGES=cfg["stages"], PDL=pdl, num_warps=4)
+    bound = bind(_cascade_node_sm90_kernel, _cascade_node_sm90_kernel[grid](*args, **kw), grid, args, kw)
+    return bound and DescriptorRelaunch(bound, 3)

@@ -19,7 +19,11 @@ The normal path is used throughout under TRITON_INTERPRET=1, with PAGED_BACKEND_
 or on a Triton other than 3.6-3.9 (the versions whose ``JITFunction.run``, ``CompiledKernel`` and
 CUDA launcher this was checked against); and per call for what this does not know: an autotuner,
 a tensor subclass or other argument type, a tensor passed by keyword, a grid that is not a tuple,
-a kernel that reads global variables.
+a kernel that reads global variables other than constexpr constants.
+
+:func:`bind` binds a launch its caller made the normal way (one with arguments this key does not
+know: Gluon's TMA descriptors), and :class:`DescriptorRelaunch` relaunches it with descriptors of
+new addresses.
 
 A caller that launches the same kernels many times with only some leading arguments changing (a
 decode plan's launches, once per layer and step) can skip even that key: ``launch`` returns a
@@ -39,6 +43,7 @@ from operator import and_, attrgetter
 
 import torch
 import triton
+import triton.language as tl
 
 from paged_backend.kernels.dispatch import INTERPRET
 
@@ -118,7 +123,9 @@ def _watched(fn) -> bool:
 def _bind(fn, compiled, n_args: int, kw: dict) -> tuple:
     """What a direct launch of ``compiled`` (from ``fn[grid](...)``) needs; () where it cannot go direct."""
     names = fn.arg_names[n_args:]
-    if fn.used_global_vals or not set(names) <= kw.keys():  # run() re-checks globals; defaults not bound
+    # run() re-checks the globals a kernel read; constexpr module constants (the Gluon kernels' ROWS)
+    # are taken as constants. Defaults are not bound.
+    if any(not isinstance(v, tl.constexpr) for v, _ in fn.used_global_vals.values()) or not set(names) <= kw.keys():
         return ()
     if any(isinstance(v, torch.Tensor) for v in kw.values()):  # keyed by identity there, not by pointer
         return ()
@@ -166,6 +173,59 @@ class Relaunch:
 
     def __call__(self, stream, *lead) -> None:
         self.run(self.g0, self.g1, self.g2, stream, self.function, self.packed, None, None, None, *lead, *self.rest)
+
+
+class _Address:
+    """A device address where Triton's launcher reads a descriptor's base (``base.data_ptr()``)."""
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+class DescriptorRelaunch:
+    """A :class:`Relaunch` of a kernel whose leading arguments include host-side TMA descriptors
+    (Gluon's ``TensorDescriptor``, kernels/*_sm90.py): called like a relaunch with a tensor's
+    address in each descriptor's place, it passes a descriptor of that address with the bound one's
+    shape, strides and padding (what Triton 3.6's launcher reads of it: it encodes the TMA map on
+    every launch). No tensor behind a descriptor is kept."""
+    __slots__ = ("relaunch", "fn", "context", "descs")
+
+    def __init__(self, bound: Bound, n: int):
+        self.relaunch = bound.lead(n)
+        self.fn, self.context = self.relaunch.fn, self.relaunch.context
+        # lead position -> (shape, strides, padding) of the descriptor bound there
+        self.descs = {i: (a.shape, a.strides, a.padding) for i, a in enumerate(bound.args[:n])
+                      if not isinstance(a, (torch.Tensor, int, float))}
+
+    def __call__(self, stream, *lead) -> None:
+        lead = [*lead]
+        for i, (shape, strides, padding) in self.descs.items():
+            lead[i] = _HostDescriptor(_Address(lead[i]), shape, strides, padding)
+        self.relaunch(stream, *lead)
+
+
+class _HostDescriptor:
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, base, shape, strides, padding):
+        self.base, self.shape, self.strides, self.padding = base, shape, strides, padding
+
+
+def bind(fn, compiled, grid: tuple, args: tuple, kw: dict) -> Bound | None:
+    """A :class:`Bound` of ``compiled``, which ``fn[grid](*args, **kw)`` returned (a caller that
+    launches the normal way, e.g. with arguments :func:`launch` does not key), or None where
+    launches cannot go direct."""
+    global _device, _stream
+    if DISABLED_BY is not None or type(grid) is not tuple or _watched(fn):
+        return None
+    if _device is None:
+        _device, _stream = driver.active.get_current_device, driver.active.get_current_stream
+    entry = _bind(fn, compiled, len(args), kw)
+    return Bound(entry, grid, args, _context(_device())) if entry else None
 
 
 def replay_stream(relaunches):

@@ -152,6 +152,36 @@ def test_a_kernel_reading_globals_always_takes_the_normal_path(calls, monkeypatc
     assert [c[0] for c in calls] == ["normal"] * 3
 
 
+def test_constexpr_globals_do_not_stop_the_direct_path(calls, monkeypatch):
+    monkeypatch.setattr(_scale, "used_global_vals", {("ROWS", 0): (tl.constexpr(64), {"ROWS": tl.constexpr(64)})})
+    x, y = torch.zeros(64), torch.zeros(64)
+    for _ in range(2):
+        launch.launch(_scale, (4,), x, y, 64, BLOCK=16)
+    assert [c[0] for c in calls] == ["normal", "direct"]
+
+
+def test_a_descriptor_relaunch_passes_descriptors_of_the_new_addresses(calls, monkeypatch):
+    """A launch made the normal way with a TMA descriptor argument (Gluon kernels), bound, then
+    relaunched with an address in the descriptor's place: the launcher gets a descriptor of that
+    address with the bound one's shape, strides and padding, and no tensor behind it is kept."""
+    x, y, y2 = torch.zeros(64), torch.zeros(64), torch.ones(64)
+    desc = SimpleNamespace(base=y, shape=[8, 8], strides=[8, 1], padding="zero")
+    args, kw = (x, desc, 64), dict(BLOCK=16)
+    compiled = _scale[(4,)](*args, **kw)
+    relaunch = launch.DescriptorRelaunch(launch.bind(_scale, compiled, (4,), args, kw), 2)
+    assert launch.replay_stream([relaunch]) == "stream"
+    relaunch("stream", 123, y2.data_ptr())
+    direct = calls[-1]
+    assert direct[:10] == ("direct", 4, 1, 1, "stream", "function", "packed", None, None, None)
+    assert direct[10] == 123 and direct[12:] == (64, 16)
+    passed = direct[11]
+    assert passed.base.data_ptr() == y2.data_ptr() and (passed.shape, passed.strides, passed.padding) == \
+        (desc.shape, desc.strides, desc.padding)
+    assert relaunch.relaunch.tensors == []  # the descriptor's tensor was a leading argument
+    monkeypatch.setattr(launch, "DISABLED_BY", "test")
+    assert launch.bind(_scale, compiled, (4,), args, kw) is None
+
+
 def test_a_relaunch_takes_new_leading_arguments(calls):
     """The leading arguments come as the caller passes them (device addresses); the bound launch's
     other tensors go to the launcher as addresses too, and the relaunch keeps them alive."""
