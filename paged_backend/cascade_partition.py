@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from paged_backend.kernels.dispatch import num_sms, use_sm90
+from paged_backend.kernels.dispatch import num_sms
 from paged_backend.plan import cut_pieces
 
 NODE_FIELDS = 7  # (rep request, kv_head, member base, members in block, token_start, token_end, slot base)
@@ -110,9 +110,7 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     gp = 1 << max(0, (group - 1).bit_length())
     sizes = ptr[1:] - ptr[:-1]
     flops = float((sizes * (end - start)).sum()) * group * 4 * d * hkv  # the node GEMMs, unpadded
-    # Hopper's node kernel (kernels/cascade_sm90.py) takes 128-row tiles: no wider ones there
-    wide = flops >= wide_tile_flops * (node_programs or sms) and not (use_sm90(plan.device) and d in (64, 128))
-    bm = choose_block_m(sizes * gp, end - start, gp, d, wide=wide)
+    bm = choose_block_m(sizes * gp, end - start, gp, d, wide=flops >= wide_tile_flops * (node_programs or sms))
     mpb = bm // gp
     gn = _node_grid(node_programs, sms, bm)
     plan.block_m, plan.node_programs, plan.leaf_programs = bm, int(gn), int(gl)
