@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the lent H100/H200 (carry .whl): the Hopper (Gluon) kernels' GPU tests, then bench_cascade with the
-# Hopper node kernel and, in the same run, with PAGED_BACKEND_SM90=0 (the portable kernels and their
+# Hopper node kernel and, in the same run, with PAGED_BACKEND_SM90=0 (the portable node kernel on the same
 # plans), and bench_prefill (which times both prefill kernels). Everything lands in $OUT in seven files
 # (the device tool returns at most eight): sm90.log, cascade_{sm90,portable}.{json,md}, results.{json,md}.
 set -uo pipefail
