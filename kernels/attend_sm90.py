@@ -68,6 +68,19 @@ def load_range(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empt
 
 
 @gluon.jit
+def release_tiles(k_ready, v_ready, k_empty, v_empty, it, n_tiles, STAGES: gl.constexpr):
+    """A consumer's part of a work item it has no rows in: ring tiles ``it ..`` released as they
+    arrive (waiting for each keeps its release in that tile's phase of the ``empty`` barrier)."""
+    for j in range(n_tiles):
+        s = (it + j) % STAGES
+        phase = ((it + j) // STAGES) & 1
+        mbarrier.wait(k_ready.index(s), phase)
+        mbarrier.arrive(k_empty.index(s), count=1)
+        mbarrier.wait(v_ready.index(s), phase)
+        mbarrier.arrive(v_empty.index(s), count=1)
+
+
+@gluon.jit
 def _softmax_tile(s_acc, m_i, l_i, qk_scale, keys, pos, hi, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
     """Online-softmax update of one tile of raw scores ``s_acc [ROWS, BLOCK_N]`` (m, l in the exp2
     domain); ``MASKED``: keys at or past ``hi`` (and, ``CAUSAL``, past the row's position) are masked.

@@ -17,6 +17,8 @@ Three launches, all with grids fixed by the plan:
 On Hopper and later the three run on one stream chained by programmatic dependent launch: the
 tails start while the node kernel runs (they write other slots) and finish after it; the merge
 starts during the tails and waits for their writes. Elsewhere nodes and tails run on two streams.
+On sm_90, plans with fused lists (paged_backend/cascade_partition.py ``fused_order``) run the node
+and tail pieces in one launch of the Hopper kernel (kernels/cascade_sm90.py), then the merge.
 """
 from __future__ import annotations
 
@@ -120,7 +122,8 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
     po, plse = plan.partial_o, plan.partial_lse
     pdl = use_pdl(q.device)
     both = plan.num_node_pieces and plan.num_leaf_pieces
-    one_stream = pdl or not (q.is_cuda and both)
+    # (a plan with "fused_items" is for Hopper, where the node kernel may run the tails as well)
+    one_stream = pdl or not (q.is_cuda and both) or "fused_items" in v
     # As in decode_triton: after the first call with this signature (the first layer of a step),
     # the plan's launchers are called directly. Only the one-stream order is kept.
     relaunches = None
@@ -132,20 +135,22 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
     if relaunches is not None:
         stream = replay_stream(relaunches)
         if stream is not None:
-            # the plan's launches in order, each with the call's leading arguments
+            # the plan's launches in order, each with the call's leading arguments (no tails
+            # launch where the Hopper node kernel ran them)
             leads = [ptrs[:3]] if plan.num_node_pieces else []
-            if plan.num_leaf_pieces:
+            if len(relaunches) - len(leads) == 2:
                 leads.append(ptrs)
             for relaunch, lead in zip(relaunches, leads + [ptrs[5:]]):
                 relaunch(stream, *lead)
             return
 
     sm90 = node_sm90_config(q, k_cache, v_cache, plan, softcap, scales) if plan.num_node_pieces else None
+    fused = sm90 is not None and "fused_items" in v  # the Hopper node kernel runs the tails too
 
     def nodes():
         if sm90 is not None:  # Hopper: kernels/cascade_sm90.py
             from paged_backend.kernels.cascade_sm90 import cascade_nodes_sm90
-            return cascade_nodes_sm90(q, k_cache, v_cache, plan, scale, sm90, pdl)
+            return cascade_nodes_sm90(q, k_cache, v_cache, plan, scale, sm90, pdl, fused)
         bm = plan.block_m
         bound = launch(
             _cascade_node_kernel, (plan.node_programs,),
@@ -171,7 +176,7 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
         relaunches = []
         if plan.num_node_pieces:
             relaunches.append(nodes())
-        if plan.num_leaf_pieces:
+        if plan.num_leaf_pieces and not fused:
             relaunches.append(tails(beside_prior=bool(both)))
     else:
         # Node GEMMs and tail decode write disjoint slots and neither fills the memory system

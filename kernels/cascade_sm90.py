@@ -1,6 +1,6 @@
 """The cascade node kernel for Hopper (sm_90): the node pieces of a ``CascadePlan`` with TMA page loads
 and warp-specialised wgmma (kernels/attend_sm90.py), writing the same partial states as
-``_cascade_node_kernel`` (kernels/cascade.py), which the tails and the fold then use unchanged.
+``_cascade_node_kernel`` (kernels/cascade.py), which the fold then uses unchanged.
 
 A piece = (node, KV head, row block of 128 rows, token range): its rows are ``128 // GP`` member
 requests x ``GP`` query heads (the plan's ``block_m`` of 128), two consumer warpgroups of 64 rows
@@ -8,11 +8,19 @@ each; the loader warp streams the range's K/V tiles. Programs are persistent ove
 lists (``node_prog_ptr``), and loader and consumers count ring tiles across pieces. Piece ranges
 start on a page or on a multiple of the plan's ``node_block_n`` (64) inside a node whose keys are
 whole shared pages, so page boxes of ``min(BS, 64)`` rows never straddle a page, and boxes past a
-range's end load zeros (no V tail to clean).
+range's end load zeros.
 
-As the portable node kernel, it lets the tails launch at once (PDL), and the plan replays it on later
-calls through a ``DescriptorRelaunch`` (kernels/launch.py): Gluon's launch path with its descriptors
-costs far more host time than the kernel takes on short nodes.
+``TAILS``: the programs run the plan's ``fused_items`` (paged_backend/cascade_partition.py
+``fused_order``), node pieces and the private tails' pieces together, and the decode kernel does not
+run. A tail piece is a row block of one request (its ``GP`` heads), run by one consumer warpgroup
+(by the piece's parity: two consecutive tail pieces run side by side) while the other only releases
+its tiles; the last tile's V rows past the tail's end (inside its page: any values) are zeroed.
+Plans get these lists where their nodes have few row blocks, so that the node pieces are bound by
+memory like the tails: one kernel streaming both leaves out the second kernel's ramp-up and drain.
+
+As the portable node kernel, it lets the next kernel launch at once (PDL), and the plan replays it on
+later calls through a ``DescriptorRelaunch`` (kernels/launch.py): Gluon's launch path with its
+descriptors costs far more host time than the kernel takes on short nodes.
 """
 from __future__ import annotations
 
@@ -22,91 +30,124 @@ from triton.experimental.gluon import language as gl
 
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from paged_backend.kernels.attend_sm90 import (CONSUMERS, ROWS, alloc_rings, attend_tiles, covered, descriptors,
-                                               finish_state, io_layout, load_range, load_rows, mma_layout)
+from paged_backend.kernels.attend_sm90 import (ROWS, alloc_rings, attend_tiles, covered, descriptors, finish_state,
+                                               io_layout, load_range, load_rows, mma_layout, release_tiles)
 from paged_backend.kernels.launch import DescriptorRelaunch, bind
 
 NODE_BLOCK_M = 128  # the plan tile the kernel takes: CONSUMERS x ROWS rows
 
 
 @gluon.jit
-def _node_load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, work_ptr, prog_ptr,
+def _piece(work_ptr, leaf_ptr, items_ptr, p, n_node, TAILS: gl.constexpr):
+    """Piece ``p`` of the program lists -> (rep request, kv_head, member base, members, token_start,
+    token_end, slot base); a tail piece (``TAILS``) has member base -1 and one member, its request."""
+    i = p
+    if TAILS:
+        i = gl.load(items_ptr + p)
+    if i < n_node:
+        w = work_ptr + i * 7  # (rep request, kv_head, member base, members, token_start, token_end, slot base)
+        rep = gl.load(w)
+        kvh = gl.load(w + 1)
+        mbase = gl.load(w + 2)
+        n_in = gl.load(w + 3)
+        start = gl.load(w + 4)
+        end = gl.load(w + 5)
+        slot = gl.load(w + 6)
+    else:
+        w = leaf_ptr + (i - n_node) * 5  # (request, kv_head, token_start, token_end, slot)
+        rep = gl.load(w)
+        kvh = gl.load(w + 1)
+        mbase = rep * 0 - 1
+        n_in = rep * 0 + 1
+        start = gl.load(w + 2)
+        end = gl.load(w + 3)
+        slot = gl.load(w + 4)
+    return rep, kvh, mbase, n_in, start, end, slot
+
+
+@gluon.jit
+def _node_load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pieces,
                          bt_ptr, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
-                         BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr, STAGES: gl.constexpr):
+                         BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr, STAGES: gl.constexpr,
+                         TAILS: gl.constexpr):
     """One warp: the K/V tiles of every piece of this program, in order."""
+    work_ptr, leaf_ptr, items_ptr, prog_ptr, n_node = pieces
     g = gl.program_id(0)
     it = gl.to_tensor(0)  # ring tiles so far (a tensor: it is carried through the loop)
     for p in range(gl.load(prog_ptr + g), gl.load(prog_ptr + g + 1)):
-        w = work_ptr + p * 7  # (rep request, kv_head, member base, members, token_start, token_end, slot base)
-        kvh = gl.load(w + 1)
-        start = gl.load(w + 4)
-        end = gl.load(w + 5)
-        bt_row_ptr = bt_ptr + gl.load(w).to(gl.int64) * stride_btb
+        rep, kvh, _, _, start, end, _ = _piece(work_ptr, leaf_ptr, items_ptr, p, n_node, TAILS)
+        bt_row_ptr = bt_ptr + rep.to(gl.int64) * stride_btb
         it = load_range(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it,
                         gl.maximum(gl.cdiv(end - start, BLOCK_N), 1), bt_row_ptr, stride_btn, start, end, kvh,
                         kvh * head_cols, page_rows, head_rows, oob_row, BS, BLOCK_N, PAGE_BOX, STAGES)
 
 
 @gluon.jit
-def _node_consumer_partition(rows, WG: gl.constexpr, GROUP: gl.constexpr, GP: gl.constexpr, D: gl.constexpr,
-                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup: rows ``WG * ROWS ..`` of each piece (members x ``GP`` heads) -> partial slots."""
-    (q_ptr, members_ptr, work_ptr, prog_ptr, po_ptr, plse_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
+def _node_consumer_partition(rows, pieces, WG: gl.constexpr, GROUP: gl.constexpr, GP: gl.constexpr, D: gl.constexpr,
+                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TAILS: gl.constexpr):
+    """One warpgroup: rows ``WG * ROWS ..`` of each piece (members x ``GP`` heads) -> partial slots;
+    a piece without such rows only has its tiles released."""
+    (q_ptr, members_ptr, po_ptr, plse_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
      v_empty, stride_qb, stride_qh, stride_pop, stride_poh, stride_plp, stride_plh, sm_scale) = rows
+    work_ptr, leaf_ptr, items_ptr, prog_ptr, n_node = pieces
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
-    r_io = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout()))
+    loc_io = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout()))
+    loc_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     d_io = gl.arange(0, D, layout=gl.SliceLayout(0, io_layout()))
-    r_s = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     q_tile = q_smem.index(WG)
     qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
-    mem = r_io // GP  # member (within the piece's row block) and head of each row
-    head = r_io % GP
-    mem_s = r_s // GP
+    head = loc_io % GP  # query head of each row (GP divides ROWS)
     g = gl.program_id(0)
     it = gl.to_tensor(0)
     for p in range(gl.load(prog_ptr + g), gl.load(prog_ptr + g + 1)):
-        w = work_ptr + p * 7
-        kvh = gl.load(w + 1)
-        mbase = gl.load(w + 2)
-        n_in = gl.load(w + 3)
-        start = gl.load(w + 4)
-        end = gl.load(w + 5)
-        slot_base = gl.load(w + 6)
-        ok = (mem < n_in) & (head < GROUP)
-        req = gl.load(members_ptr + mbase + mem, mask=mem < n_in, other=0).to(gl.int64)
-        load_rows(q_tile, q_ptr, req, kvh * GROUP + head, ok, stride_qb, stride_qh, D)
+        rep, kvh, mbase, n_in, start, end, slot_base = _piece(work_ptr, leaf_ptr, items_ptr, p, n_node, TAILS)
         n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 1)
-        acc, m_i, l_i = attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles,
-                                     (end - start) // BLOCK_N, start, end, r_s, qk_scale, D, BLOCK_N, STAGES,
-                                     False, False)
+        # a node piece: rows WG * ROWS .. of its row block; a tail piece (GP rows of one request): the
+        # consumer of its parity, so that the two run consecutive tail pieces side by side
+        tail = mbase < 0
+        m0 = (1 - tail.to(gl.int32)) * (WG * ROWS // GP)  # the consumer's first member in the piece
+        if (tail & (p % 2 == WG)) | ((not tail) & (m0 < n_in)):
+            mem = m0 + loc_io // GP  # member (within the piece's row block) of each row
+            mem_s = m0 + loc_s // GP
+            ok = (mem < n_in) & (head < GROUP)
+            req = gl.load(members_ptr + mbase + mem, mask=(mem < n_in) & (mbase >= 0), other=0).to(gl.int64)
+            req = gl.where(tail, rep.to(gl.int64), req)  # a tail piece's one member: its request
+            load_rows(q_tile, q_ptr, req, kvh * GROUP + head, ok, stride_qb, stride_qh, D)
+            acc, m_i, l_i = attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles,
+                                         (end - start) // BLOCK_N, start, end, loc_s, qk_scale, D, BLOCK_N, STAGES,
+                                         False, TAILS)
+            o, lse = finish_state(acc, m_i, l_i)
+            slot = (slot_base + mem).to(gl.int64)
+            gl.store(po_ptr + slot[:, None] * stride_pop + head[:, None] * stride_poh + d_io[None, :],
+                     gl.convert_layout(o, io_layout()), mask=ok[:, None])
+            ok_s = (mem_s < n_in) & (loc_s % GP < GROUP)
+            gl.store(plse_ptr + (slot_base + mem_s).to(gl.int64) * stride_plp + (loc_s % GP) * stride_plh, lse,
+                     mask=ok_s)
+        else:
+            release_tiles(k_ready, v_ready, k_empty, v_empty, it, n_tiles, STAGES)
         it += n_tiles
-        o, lse = finish_state(acc, m_i, l_i)
-        slot = (slot_base + mem).to(gl.int64)
-        gl.store(po_ptr + slot[:, None] * stride_pop + head[:, None] * stride_poh + d_io[None, :],
-                 gl.convert_layout(o, io_layout()), mask=ok[:, None])
-        ok_s = (mem_s < n_in) & (r_s % GP < GROUP)
-        gl.store(plse_ptr + (slot_base + mem_s).to(gl.int64) * stride_plp + (r_s % GP) * stride_plh, lse, mask=ok_s)
 
 
 @gluon.jit
 def _cascade_node_sm90_kernel(
-    q_ptr, k_desc, v_desc, bt_ptr, members_ptr, work_ptr, prog_ptr, po_ptr, plse_ptr,
-    sm_scale, page_rows, head_rows, head_cols, oob_row,
+    q_ptr, k_desc, v_desc, bt_ptr, members_ptr, work_ptr, leaf_ptr, items_ptr, prog_ptr, po_ptr, plse_ptr,
+    sm_scale, n_node, page_rows, head_rows, head_cols, oob_row,
     stride_qb, stride_qh, stride_btb, stride_btn, stride_pop, stride_poh, stride_plp, stride_plh,
     GROUP: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-    PAGE_BOX: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+    PAGE_BOX: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr, TAILS: gl.constexpr,
 ):
-    if PDL:  # the tails (and the merge) may launch now: they wait for this grid where they must
+    if PDL:  # the tails or the merge may launch now: they wait for this grid where they must
         gdc_launch_dependents()
     q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_rings(k_desc, v_desc, D, BLOCK_N, STAGES)
-    rows = (q_ptr, members_ptr, work_ptr, prog_ptr, po_ptr, plse_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
+    rows = (q_ptr, members_ptr, po_ptr, plse_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
             v_empty, stride_qb, stride_qh, stride_pop, stride_poh, stride_plp, stride_plh, sm_scale)
+    pieces = (work_ptr, leaf_ptr, items_ptr, prog_ptr, n_node)
     gl.warp_specialize([
-        (_node_consumer_partition, (rows, 0, GROUP, GP, D, BLOCK_N, STAGES)),
-        (_node_consumer_partition, (rows, 1, GROUP, GP, D, BLOCK_N, STAGES)),
-        (_node_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, work_ptr, prog_ptr,
+        (_node_consumer_partition, (rows, pieces, 0, GROUP, GP, D, BLOCK_N, STAGES, TAILS)),
+        (_node_consumer_partition, (rows, pieces, 1, GROUP, GP, D, BLOCK_N, STAGES, TAILS)),
+        (_node_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pieces,
                                 bt_ptr, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
-                                BS, BLOCK_N, PAGE_BOX, STAGES)),
+                                BS, BLOCK_N, PAGE_BOX, STAGES, TAILS)),
     ], [4, 1], [240, 24])
 
 
@@ -123,19 +164,21 @@ def node_sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return dict(block_n=128, page_box=min(k_cache.shape[1], 64), stages=2, view=view)
 
 
-def cascade_nodes_sm90(q, k_cache, v_cache, plan, scale: float, cfg: dict, pdl: bool):
-    """The plan's node pieces into its partial slots (``plan.partial_o`` / ``partial_lse``). -> a
-    relaunch of it taking the addresses of (q, k_cache, v_cache), or None (as ``launch(...).lead(3)``)."""
+def cascade_nodes_sm90(q, k_cache, v_cache, plan, scale: float, cfg: dict, pdl: bool, tails: bool):
+    """The plan's node pieces into its partial slots (``plan.partial_o`` / ``partial_lse``), and with
+    ``tails`` (the plan has ``fused_items``) its tail pieces too. -> a relaunch of it taking the
+    addresses of (q, k_cache, v_cache), or None (as ``launch(...).lead(3)``)."""
     hq, d = q.shape[1], q.shape[2]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     v, view = plan.views, cfg["view"]
     bt, po, plse = v["block_table"], plan.partial_o, plan.partial_lse
     grid = (plan.node_programs,)
+    items, prog = (v["fused_items"], v["fused_prog_ptr"]) if tails else (v["node_prog_ptr"], v["node_prog_ptr"])
     args = (q, *descriptors(k_cache, v_cache, view, cfg["page_box"], cfg["block_n"]), bt, v["members"],
-            v["node_work"], v["node_prog_ptr"], po, plse, scale, *view[2:], view[0],
+            v["node_work"], v["leaf_work"], items, prog, po, plse, scale, plan.num_node_pieces, *view[2:], view[0],
             q.stride(0), q.stride(1), *bt.stride(), po.stride(0), po.stride(1), *plse.stride())
     kw = dict(GROUP=group, GP=1 << max(0, (group - 1).bit_length()), BS=bs, D=d, BLOCK_N=cfg["block_n"],
-              PAGE_BOX=cfg["page_box"], STAGES=cfg["stages"], PDL=pdl, num_warps=4)
+              PAGE_BOX=cfg["page_box"], STAGES=cfg["stages"], PDL=pdl, TAILS=tails, num_warps=4)
     bound = bind(_cascade_node_sm90_kernel, _cascade_node_sm90_kernel[grid](*args, **kw), grid, args, kw)
     return bound and DescriptorRelaunch(bound, 3)

@@ -7,13 +7,16 @@ pieces and the merge lists, packed into one int32 array that is copied to the de
 - Each piece writes one fp32 partial state per request of its row block (a *slot*), node slots
   first, in piece order. The merge list of ``(request, kv_head)`` holds its node slots (parents
   first, a node's pieces in token order), then its tail's: CSR ``req_ptr`` over the lists, ``slots``.
+- On Hopper, plans of 128-row node tiles also get one list of both kinds of pieces per node program
+  (``fused_items``, ``fused_prog_ptr``: :func:`fused_order`), which the Hopper kernel runs in one
+  launch (kernels/cascade_sm90.py); the slots are the same, so other kernels ignore the lists.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from paged_backend.kernels.dispatch import num_sms
+from paged_backend.kernels.dispatch import num_sms, use_sm90
 from paged_backend.plan import cut_pieces
 
 NODE_FIELDS = 7  # (rep request, kv_head, member base, members in block, token_start, token_end, slot base)
@@ -21,6 +24,12 @@ LEAF_FIELDS = 5  # (request, kv_head, token_start, token_end, slot) - the decode
 # Private tails are short (a few pages per request): half-size tiles and 4 programs per SM hide their
 # dependent loads better than the flat decode's 2 x 64 (H200 sweep, 2026-11-21: tails 10-18% faster).
 LEAF_PROGRAMS_PER_SM = 4
+# Node and tail pieces run in one Hopper kernel (``fused_order``) only where a node has at most this many
+# row blocks per KV head (work-weighted): its GEMMs then read each K/V tile for few rows and are bound by
+# memory like the tails, and one kernel streaming both took 8-15% off the two kernels (H100, 2026-11-26:
+# prefix 8192 x 64 samples, suffixes 128/256/512). With more row blocks the node GEMMs are bound by the
+# tensor cores and one kernel was even or slower (4096 x 256 x 128/256, 4096 x 128 x 1024: -4% to +10%).
+FUSE_MAX_ROW_BLOCKS = 2
 
 
 def choose_block_m(rows: np.ndarray, tokens: np.ndarray, gp: int, head_dim: int, wide: bool = False) -> int:
@@ -71,7 +80,8 @@ def _node_grid(node_programs, sms: int, block_m: int) -> int:
 
 def _same_tails(plan, forest, gl: int) -> bool:
     """The same requests have tails as in ``forest``, one piece per (request, kv_head) then and now
-    (so the same pieces, programs and merge lists: only the tails' lengths differ)."""
+    (so the same pieces, programs and merge lists: only the tails' lengths differ). With fused lists
+    (:func:`fused_order`) the tails are cut over the node programs, and those lists must be the same."""
     lens, shared, hkv = plan.seq_lens_host, plan.tail_start(), plan.num_kv_heads
     live = lens > shared
     n = int(np.count_nonzero(live))
@@ -79,8 +89,15 @@ def _same_tails(plan, forest, gl: int) -> bool:
         return False
     if not n:
         return True
-    lseg, _, lprog, cut_at, _ = cut_pieces(-(-(lens[live] - shared[live]) // plan.block_n), gl, hkv)
-    return not cut_at.size and lseg.size == n * hkv and np.array_equal(lprog, forest.host["leaf_prog_ptr"])
+    fused = "fused_items" in forest.host
+    lseg, _, lprog, cut_at, _ = cut_pieces(-(-(lens[live] - shared[live]) // plan.block_n),
+                                           forest.node_programs if fused else gl, hkv)
+    if cut_at.size or lseg.size != n * hkv:
+        return False
+    if fused:
+        items, ptr = fused_order(forest.host["node_prog_ptr"], lprog, forest.num_node_pieces)
+        return np.array_equal(ptr, forest.host["fused_prog_ptr"]) and np.array_equal(items, forest.host["fused_items"])
+    return np.array_equal(lprog, forest.host["leaf_prog_ptr"])
 
 
 def _copy_partition(plan, forest, block_table_device):
@@ -126,16 +143,24 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     n_node_slots = int(n_in.sum() + n_in[seg[cut_at]].sum())
     # --- tails: (request, kv_head) segments of the requests with a private tail
     live = (lens > shared).nonzero()[0]
+    # with fused lists the tails are cut over the node programs (which take them whole: fewer, longer
+    # pieces) and the decode kernel's programs take runs of those pieces
+    fuse = bool(live.size) and _fuses(plan, bm, nrb, end - start)
     if live.size:
-        lseg, lseg_ptr, lprog, lcut_at, lcut_off = cut_pieces(-(-(lens[live] - shared[live]) // bn), gl, hkv)
+        units = -(-(lens[live] - shared[live]) // bn)
+        lseg, lseg_ptr, lprog, lcut_at, lcut_off = cut_pieces(units, gn if fuse else gl, hkv)
+        if fuse and (lcut_off * bn % min(plan.block_size, 64)).any():  # a piece would start inside a page box
+            fuse = False
+            lseg, lseg_ptr, lprog, lcut_at, lcut_off = cut_pieces(units, gl, hkv)
     else:  # every request lies wholly in nodes
         lseg = lcut_at = lcut_off = np.zeros(0, np.int64)
         lseg_ptr, lprog = np.zeros(1, np.int64), np.zeros(gl + 1, np.int64)
     n_leaf = lseg.size
+    fused = [("fused_items", seg.size + n_leaf), ("fused_prog_ptr", gn + 1)] if fuse else []
     src, h = staging(plan, [("node_work", seg.size * NODE_FIELDS), ("node_prog_ptr", nprog.size),
-                            ("leaf_work", n_leaf * LEAF_FIELDS), ("leaf_prog_ptr", lprog.size),
+                            ("leaf_work", n_leaf * LEAF_FIELDS), ("leaf_prog_ptr", gl + 1),
                             ("req_ptr", bsz * hkv + 1), ("slots", n_node_slots + n_leaf),
-                            ("members", members.size), ("seq_lens", bsz)], block_table_device)
+                            ("members", members.size), ("seq_lens", bsz), *fused], block_table_device)
     # node pieces: their segment's row (a copy when segments are cut), then the cut token ranges
     work = h["node_work"].reshape(-1, NODE_FIELDS)
     rows = np.empty((node.size, NODE_FIELDS), np.int32) if cut_at.size else work
@@ -163,7 +188,12 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
             lwork[lcut_at, 2] = tok
             lwork[lcut_at - 1, 3] = tok
         lwork[:, 4] = np.arange(n_node_slots, n_node_slots + n_leaf)
-    h["leaf_prog_ptr"][:] = lprog
+    if fuse:
+        h["fused_items"][:], h["fused_prog_ptr"][:] = fused_order(nprog, lprog, seg.size)
+        tok = np.cumsum(lwork[:, 3] - lwork[:, 2], dtype=np.int64)  # the decode kernel's runs: by tokens
+        h["leaf_prog_ptr"][:] = np.searchsorted(tok, np.arange(gl + 1) * tok[-1] // gl, side="right")
+    else:
+        h["leaf_prog_ptr"][:] = lprog
     h["members"][:] = members
     h["seq_lens"][:] = lens
     count = _merge_lists(plan, h, kvh, mbase, n_in, nrb, seg0, seg, seg_ptr, cut_at, slot_base, mpb,
@@ -172,6 +202,35 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     plan.num_slots = n_node_slots + int(n_leaf)
     plan.max_merge_len = int(count.max())
     return src, h
+
+
+def _fuses(plan, bm: int, nrb: np.ndarray, tokens: np.ndarray) -> bool:
+    """Whether the plan gets fused lists: the Hopper node kernel may run it (128-row tiles, node ranges
+    cut at multiples of 64 keys, no window) and its nodes have few row blocks (``FUSE_MAX_ROW_BLOCKS``).
+    ``nrb``, ``tokens`` [K]: each node's row blocks per KV head and keys."""
+    return (bm == 128 and not plan.node_block_n % 64 and not plan.window and use_sm90(plan.device)
+            and int(nrb @ tokens) <= FUSE_MAX_ROW_BLOCKS * int(tokens.sum()))
+
+
+def fused_order(node_prog: np.ndarray, leaf_prog: np.ndarray, n_node: int):
+    """One list of pieces per node program for a kernel running node and tail pieces together:
+    program ``g`` takes node program ``g``'s pieces and the tail pieces of leaf programs
+    ``ceil(g * GL / G) ..`` (both already balanced). Even programs run their node pieces first, odd
+    ones their tails first, so that while some SMs run the node GEMMs (bound by the tensor cores)
+    others stream tails (bound by memory). ``node_prog [G + 1]``, ``leaf_prog [GL + 1]``: the two
+    kernels' program pointers. -> (items [Pn + Pt]: node piece ``i`` as ``i``, tail piece ``j`` as
+    ``n_node + j``; prog_ptr [G + 1])."""
+    grid, n_leaf = node_prog.size - 1, int(leaf_prog[-1])
+    tail_prog = leaf_prog[-(-np.arange(grid + 1) * (leaf_prog.size - 1) // grid)]  # [G + 1]
+    nn, nt = np.diff(node_prog), np.diff(tail_prog)
+    ptr = np.zeros(grid + 1, dtype=np.int64)
+    np.cumsum(nn + nt, out=ptr[1:])
+    odd = np.arange(grid) % 2 == 1
+    items = np.empty(int(ptr[-1]), dtype=np.int64)
+    items[np.repeat(ptr[:-1] + np.where(odd, nt, 0) - node_prog[:-1], nn) + np.arange(n_node)] = np.arange(n_node)
+    items[np.repeat(ptr[:-1] + np.where(odd, 0, nn) - tail_prog[:-1], nt) + np.arange(n_leaf)] = \
+        n_node + np.arange(n_leaf)
+    return items, ptr
 
 
 def _merge_lists(plan, h, kvh, mbase, n_in, nrb, seg0, seg, seg_ptr, cut_at, slot_base, mpb,

@@ -11,6 +11,7 @@ from paged_backend import cascade_forest as cf
 from paged_backend import cascade_partition as cpart
 from paged_backend.cascade_forest import auto_forest
 from paged_backend.cascade_plan import LEAF_FIELDS, NODE_FIELDS, CascadeCost
+from paged_backend.plan import cut_pieces
 from tests.test_cascade import check_exact, forest_inputs, random_forest
 
 
@@ -179,6 +180,88 @@ def test_partition_equals_reference(seed):
                          cost=CascadeCost(0, 0, 0), node_programs=programs[0], leaf_programs=programs[1])
     if not cp.is_flat:
         check_partition(cp)
+
+
+def check_fused(cp):
+    """The Hopper kernel's lists (``fused_order``): program ``g`` runs node program ``g``'s pieces and a
+    run of tail pieces (the runs in piece order), node pieces first on even programs and last on odd
+    ones, so every piece runs once; the decode kernel's programs take runs of the same tail pieces."""
+    v = {k: t.numpy().astype(np.int64) for k, t in cp.views.items()}
+    items, ptr, nprog, lprog = v["fused_items"], v["fused_prog_ptr"], v["node_prog_ptr"], v["leaf_prog_ptr"]
+    grid, n_node, n_leaf = nprog.size - 1, cp.num_node_pieces, cp.num_leaf_pieces
+    assert grid == cp.node_programs and ptr[0] == 0 and ptr[-1] == n_node + n_leaf
+    next_tail = n_node
+    for g in range(grid):
+        got = items[ptr[g]:ptr[g + 1]].tolist()
+        nodes = list(range(nprog[g], nprog[g + 1]))
+        tails = list(range(next_tail, next_tail + len(got) - len(nodes)))
+        next_tail += len(tails)
+        assert got == (nodes + tails if g % 2 == 0 else tails + nodes)
+    assert next_tail == n_node + n_leaf
+    assert lprog.size == cp.leaf_programs + 1 and lprog[0] == 0 and lprog[-1] == n_leaf
+    assert (np.diff(lprog) >= 0).all()
+
+
+def fused_expected(cp, bs):
+    """Whether ``cp`` (planned as on Hopper, 128-row tiles) should have fused lists: nodes and tails,
+    few row blocks per node (``FUSE_MAX_ROW_BLOCKS``), and every tail piece on a page box when the
+    tails are cut over the node programs."""
+    if not (cp.num_node_pieces and cp.num_leaf_pieces):
+        return False
+    sizes, tokens = np.diff(cp.node_ptr), cp.node_end - cp.node_start
+    gp = 1 << max(0, (cp.num_q_heads // cp.num_kv_heads - 1).bit_length())
+    rb = -(-sizes // (128 // gp))
+    starts, lens = cp.tail_start(), cp.seq_lens_host
+    live = lens > starts
+    cut_off = cut_pieces(-(-(lens[live] - starts[live]) // cp.block_n), cp.node_programs, cp.num_kv_heads)[4]
+    boxed = not (cut_off * cp.block_n % min(bs, 64)).any()
+    return bool(rb @ tokens <= cpart.FUSE_MAX_ROW_BLOCKS * tokens.sum() and boxed)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fused_lists(monkeypatch, seed):
+    """Plans as on Hopper (128-row node tiles there): the lists of node and tail pieces per node
+    program, with the partition itself complete; none for nodes of many row blocks, or where a tail
+    piece starts inside a page box (pages of 64, tails cut at 32 keys)."""
+    monkeypatch.setattr(cpart, "use_sm90", lambda device: True)
+    monkeypatch.setattr(cpart, "choose_block_m", lambda *a, **k: 128)
+    rng = np.random.default_rng(5000 + seed)
+    bs = [16, 32, 64][seed % 3]
+    reqs = long_forest(rng, bs, max_depth=1 + seed % 3, max_requests=40)
+    hq = [8, 32][seed % 2]  # 128-row tiles of 32 requests (group 4) or 16 (group 8: more row blocks)
+    _, _, _, bt, lens = forest_inputs(rng, reqs, bs, hq, 2, 64, torch.float32)
+    programs = [(None, None), (3, 5), (7, 2), (5, 16)][seed % 4]
+    cp = pb.plan_cascade(bt, lens, num_q_heads=hq, num_kv_heads=2, head_dim=64, block_size=bs, device="cpu",
+                         cost=CascadeCost(0, 0, 0), node_programs=programs[0], leaf_programs=programs[1])
+    if cp.is_flat:
+        return
+    check_partition(cp)
+    assert ("fused_items" in cp.views) == fused_expected(cp, bs)
+    if "fused_items" in cp.views:
+        check_fused(cp)
+
+
+@pytest.mark.parametrize("n,fused", [(8, True), (9, False)])
+def test_fused_row_blocks(monkeypatch, n, fused):
+    """``n`` requests share 4 blocks, group 32 (4 requests per 128-row tile): 8 make two row blocks
+    per KV head (fused lists), 9 make three (none: the node GEMMs are bound by the tensor cores)."""
+    monkeypatch.setattr(cpart, "use_sm90", lambda device: True)
+    monkeypatch.setattr(cpart, "choose_block_m", lambda *a, **k: 128)
+    _, _, _, bt, lens = forest_inputs(np.random.default_rng(n), [([0, 1, 2, 3], 5)] * n, 16, 64, 2, 64,
+                                      torch.float32)
+    cp = pb.plan_cascade(bt, lens, num_q_heads=64, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",
+                         cost=CascadeCost(0, 0, 0))
+    check_partition(cp)
+    assert ("fused_items" in cp.views) == fused == fused_expected(cp, 16)
+    if fused:
+        check_fused(cp)
+
+
+def test_fused_order_small():
+    """Two node programs, four leaf programs: program 0 = its two node pieces then leaf programs 0-1's
+    tails, program 1 = leaf programs 2-3's tails then its node pieces."""
+    items, ptr = cpart.fused_order(np.array([0, 2, 3]), np.array([0, 1, 1, 3, 4]), 3)
+    assert items.tolist() == [0, 1, 3, 4, 5, 6, 2] and ptr.tolist() == [0, 3, 7]
 
 
 @pytest.mark.kernel

@@ -15,6 +15,7 @@ from paged_backend.kernels.dispatch import SM90_TRITON, triton_release
 from tests.paged_inputs import make_cache, poison_outside
 from tests.reference import assert_close_state, decode_reference
 from tests.test_cascade import KEEP_ALL
+from tests.test_cascade_plan import fused_expected
 
 hopper = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -50,13 +51,21 @@ def groups_inputs(prefixes, n, suffix, hq, hkv, d, bs, dtype, layout="nhd", syst
     return q, k, v, table, lens
 
 
-def run_case(q, k, v, table, lens, bs, **plan_kw):
+def run_case(q, k, v, table, lens, bs, tails="fused", **plan_kw):
+    """``tails``: "fused" - the Hopper kernel runs the tails too, where the plan has its lists (see
+    tests/test_cascade_plan.py ``fused_expected``); "decode" - the plan's lists are dropped and the
+    decode kernel runs the tails."""
     hq, hkv, d = q.shape[1], k.shape[2], q.shape[2]
     bt = torch.from_numpy(table).cuda()
     sl = torch.from_numpy(lens.astype(np.int32)).cuda()
     cplan = pb.plan_cascade(table, lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device="cuda",
                             cost=KEEP_ALL, block_table_device=bt, **plan_kw)
-    assert not cplan.is_flat and cascade_node_kernel_name(q, k, v, cplan) == "sm90", cplan.block_m
+    assert ("fused_items" in cplan.views) == fused_expected(cplan, bs)
+    if tails == "decode":
+        for name in ("fused_items", "fused_prog_ptr"):
+            cplan.views.pop(name, None)
+    want = "sm90+tails" if "fused_items" in cplan.views else "sm90"
+    assert not cplan.is_flat and cascade_node_kernel_name(q, k, v, cplan) == want, cplan.block_m
     out, lse = pb.cascade_decode(q, k, v, cplan)
     ref_o, ref_l = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu())
     assert_close_state(out, lse, ref_o, ref_l, q.dtype)
@@ -71,12 +80,13 @@ def run_case(q, k, v, table, lens, bs, **plan_kw):
     dict(prefixes=[777 // 16 * 16], n=64, suffix=16, hq=16, hkv=8, d=64, bs=16),  # group 2, d 64
     dict(prefixes=[4096], n=40, suffix=100, hq=32, hkv=8, d=128, bs=64),      # 40 members: a partial row block
 ])
-def test_against_fp64(case, layout, dtype):
+@pytest.mark.parametrize("tails", ["fused", "decode"])
+def test_against_fp64(case, layout, dtype, tails):
     case = dict(case)
     bs = case["bs"]
     q, k, v, table, lens = groups_inputs(case.pop("prefixes"), case.pop("n"), case.pop("suffix"), case.pop("hq"),
                                          case.pop("hkv"), case.pop("d"), case.pop("bs"), dtype, layout, **case)
-    run_case(q, k, v, table, lens, bs)
+    run_case(q, k, v, table, lens, bs, tails)
 
 
 def test_cut_pieces_deterministic_and_poisoned():
@@ -86,7 +96,21 @@ def test_cut_pieces_deterministic_and_poisoned():
     bt, sl = torch.from_numpy(table).cuda(), torch.from_numpy(lens.astype(np.int32)).cuda()
     poison_outside(k, v, bt, sl, float("nan"))
     first = run_case(q, k, v, table, lens, 16, node_programs=7)
-    assert first[2].num_node_pieces > 8  # 8 KV heads, cut
+    assert first[2].num_node_pieces > 8 and "fused_items" in first[2].views  # 8 KV heads, cut; tails fused
     again = pb.cascade_decode(q, k, v, first[2])
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
+
+
+def test_fused_plan_with_softcap_runs_portable():
+    """A plan with fused lists whose call the Hopper kernel does not cover (soft-capping): the portable
+    node kernel and the decode kernel run it, the tails on the decode programs' runs of the pieces
+    cut over the node programs."""
+    q, k, v, table, lens = groups_inputs([2000], 32, 300, 32, 8, 128, 16, torch.bfloat16)
+    bt, sl = torch.from_numpy(table).cuda(), torch.from_numpy(lens.astype(np.int32)).cuda()
+    cplan = pb.plan_cascade(table, lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda",
+                            cost=KEEP_ALL, block_table_device=bt)
+    assert "fused_items" in cplan.views and cascade_node_kernel_name(q, k, v, cplan, softcap=30.0) == "portable"
+    out, lse = pb.cascade_decode(q, k, v, cplan, softcap=30.0)
+    ref_o, ref_l = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu(), softcap=30.0)
+    assert_close_state(out, lse, ref_o, ref_l, q.dtype)
