@@ -32,7 +32,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from paged_backend.kernels.attend_sm90 import (ROWS, alloc_rings, attend_tiles, covered, descriptors, finish_state,
                                                io_layout, load_range, load_rows, mma_layout, release_tiles)
-from paged_backend.kernels.launch import DescriptorRelaunch, bind
+from paged_backend.kernels.launch import DescriptorRelaunch, launch
 
 NODE_BLOCK_M = 128  # the plan tile the kernel takes: CONSUMERS x ROWS rows
 
@@ -180,5 +180,5 @@ def cascade_nodes_sm90(q, k_cache, v_cache, plan, scale: float, cfg: dict, pdl: 
             q.stride(0), q.stride(1), *bt.stride(), po.stride(0), po.stride(1), *plse.stride())
     kw = dict(GROUP=group, GP=1 << max(0, (group - 1).bit_length()), BS=bs, D=d, BLOCK_N=cfg["block_n"],
               PAGE_BOX=cfg["page_box"], STAGES=cfg["stages"], PDL=pdl, TAILS=tails, num_warps=4)
-    bound = bind(_cascade_node_sm90_kernel, _cascade_node_sm90_kernel[grid](*args, **kw), grid, args, kw)
+    bound = launch(_cascade_node_sm90_kernel, grid, *args, **kw)
     return bound and DescriptorRelaunch(bound, 3)

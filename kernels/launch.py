@@ -21,8 +21,9 @@ CUDA launcher this was checked against); and per call for what this does not kno
 a tensor subclass or other argument type, a tensor passed by keyword, a grid that is not a tuple,
 a kernel that reads global variables other than constexpr constants.
 
-:func:`bind` binds a launch its caller made the normal way (one with arguments this key does not
-know: Gluon's TMA descriptors), and :class:`DescriptorRelaunch` relaunches it with descriptors of
+Gluon's host-side TMA descriptors (``TensorDescriptor``) are keyed by every field (the base tensor
+by dtype and 16-byte alignment, as tensors), and passed to the launcher as they are: it encodes their
+TMA maps on every launch. :class:`DescriptorRelaunch` relaunches such a launch with descriptors of
 new addresses.
 
 A caller that launches the same kernels many times with only some leading arguments changing (a
@@ -54,6 +55,11 @@ try:
     from triton.runtime.jit import JITFunction
 except ImportError:  # internals differ from the versions read
     knobs = None
+
+try:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _Descriptor
+except ImportError:  # a Triton without Gluon: no descriptor arguments to key
+    _Descriptor = None
 
 VERSIONS = ((3, 6), (3, 7), (3, 8), (3, 9))
 _HANDLED = (torch.Tensor, int, bool, float, type(None))
@@ -90,10 +96,19 @@ _fpsan = knobs is not None and "fpsan_homomorphic_casts" in vars(type(knobs.comp
 
 
 def _layout(types: tuple):
-    if not all(t in _HANDLED for t in types):
+    """(which arguments are tensors, which are values, which are TMA descriptors or None if none)."""
+    descs = tuple(t is _Descriptor for t in types)
+    if not all(t in _HANDLED or d for t, d in zip(types, descs)):
         return None
     tensors = tuple(t is torch.Tensor for t in types)
-    return tensors, tuple(not t for t in tensors)
+    return tensors, tuple(not (t or d) for t, d in zip(tensors, descs)), descs if any(descs) else None
+
+
+def _descriptor_key(d) -> tuple:
+    """Every field of a TMA descriptor but its base tensor, and that tensor's dtype and alignment."""
+    base = d.base
+    return (base.dtype, base.data_ptr() & 15,
+            *(tuple(v) if isinstance(v, list) else v for k, v in vars(d).items() if k != "base"))
 
 
 def arg_key(args: tuple, kw: dict):
@@ -107,7 +122,8 @@ def arg_key(args: tuple, kw: dict):
     if layout is None:
         return None
     tensors = (*compress(args, layout[0]),)
-    return (types, *compress(args, layout[1]), *kw.items(), *map(type, kw.values()),
+    descs = () if layout[2] is None else (*map(_descriptor_key, compress(args, layout[2])),)
+    return (types, *compress(args, layout[1]), *descs, *kw.items(), *map(type, kw.values()),
             *map(_dtype, tensors), *map(and_, map(_data_ptr, tensors), repeat(15)))
 
 
@@ -213,19 +229,6 @@ class _HostDescriptor:
 
     def __init__(self, base, shape, strides, padding):
         self.base, self.shape, self.strides, self.padding = base, shape, strides, padding
-
-
-def bind(fn, compiled, grid: tuple, args: tuple, kw: dict) -> Bound | None:
-    """A :class:`Bound` of ``compiled``, which ``fn[grid](*args, **kw)`` returned (a caller that
-    launches the normal way, e.g. with arguments :func:`launch` does not key), or None where
-    launches cannot go direct."""
-    global _device, _stream
-    if DISABLED_BY is not None or type(grid) is not tuple or _watched(fn):
-        return None
-    if _device is None:
-        _device, _stream = driver.active.get_current_device, driver.active.get_current_stream
-    entry = _bind(fn, compiled, len(args), kw)
-    return Bound(entry, grid, args, _context(_device())) if entry else None
 
 
 def replay_stream(relaunches):

@@ -26,12 +26,12 @@ this kernel covers; everything else runs the portable kernel.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from paged_backend.kernels.attend_sm90 import (CONSUMERS, ROWS, alloc_rings, attend_tiles, covered, descriptors,
                                                finish_state, io_layout, load_range, load_rows, mma_layout)
+from paged_backend.kernels.launch import launch, pow2
 
 
 @gluon.jit
@@ -169,9 +169,10 @@ def prefill_sm90(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sc
     group = hq // hkv
     view = cfg["view"]
     tok = CONSUMERS.value * ROWS.value // group
-    block_b = min(1024, triton.next_power_of_2(batch + 1))
+    block_b = min(1024, pow2(batch + 1))
     grid = (t // tok + batch, hkv)
-    _prefill_sm90_kernel[grid](
+    launch(
+        _prefill_sm90_kernel, grid,
         q, *descriptors(k_cache, v_cache, view, cfg["page_box"], cfg["block_n"]), block_table, seq_lens,
         query_start_loc, out, lse, lse if sinks is None else sinks,
         scale, t, batch, block_table.shape[1] * bs, *view[2:], view[0],

@@ -104,3 +104,20 @@ def test_uncovered_calls_fall_back():
     assert prefill_kernel_name(q8, k8, v8) == "portable"  # pages of 8
     q80, k80, v80, *_ = make_prefill_inputs([64], [64], 32, 8, 80, 16, BF16, device="cuda")
     assert prefill_kernel_name(q80, k80, v80) == "portable"  # head size 80
+
+
+def test_a_call_like_an_earlier_one_launches_direct(monkeypatch):
+    """The Hopper kernel goes through ``launch`` (its TMA descriptors keyed by their fields): a call
+    with new tensors of the same shapes calls the compiled kernel directly, not ``JITFunction.run``
+    (~160 us of host time a call on the H100 host), with the new caches' descriptors."""
+    from paged_backend.kernels.prefill_sm90 import _prefill_sm90_kernel
+    first = make_prefill_inputs([300, 20], [700, 20], 32, 8, 128, 16, BF16, device="cuda")
+    run_sm90(first)
+    second = make_prefill_inputs([300, 20], [700, 20], 32, 8, 128, 16, BF16, device="cuda")
+
+    def normal_path(*a, **k):
+        raise AssertionError("launched through JITFunction.run")
+    monkeypatch.setattr(_prefill_sm90_kernel, "run", normal_path)
+    out, lse = run_sm90(second)
+    ref_o, ref_lse = device_reference(*second)
+    assert_close_state(out, lse, ref_o, ref_lse, BF16)
