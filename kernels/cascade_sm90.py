@@ -4,11 +4,11 @@ and warp-specialised wgmma (kernels/attend_sm90.py), writing the same partial st
 
 A piece = (node, KV head, row block of 128 rows, token range): its rows are ``128 // GP`` member
 requests x ``GP`` query heads (the plan's ``block_m`` of 128), two consumer warpgroups of 64 rows
-each; the loader warp streams the range's K/V tiles. Programs are persistent over the plan's piece
-lists (``node_prog_ptr``), and loader and consumers count ring tiles across pieces. Piece ranges
-start on a page or on a multiple of the plan's ``node_block_n`` (64) inside a node whose keys are
-whole shared pages, so page boxes of ``min(BS, 64)`` rows never straddle a page, and boxes past a
-range's end load zeros.
+each; the loader warp streams the range's K/V tiles (64 keys, three stages: ``node_sm90_config``).
+Programs are persistent over the plan's piece lists (``node_prog_ptr``), and loader and consumers
+count ring tiles across pieces. Piece ranges start on a page or on a multiple of the plan's
+``node_block_n`` (64) inside a node whose keys are whole shared pages, so page boxes of
+``min(BS, 64)`` rows never straddle a page, and boxes past a range's end load zeros.
 
 ``TAILS``: the programs run the plan's ``fused_items`` (paged_backend/cascade_partition.py
 ``fused_order``), node pieces and the private tails' pieces together, and the decode kernel does not
@@ -155,13 +155,18 @@ def node_sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scales) -> dict | None:
     """The Hopper node kernel's settings for a plan's node pieces, or None (the portable node kernel
     runs; the caller checked the device): what ``attend_sm90.covered`` covers, a plan tile of 128
-    rows and node ranges cut at multiples of 64 keys, no window, soft-capping or fp8 scales."""
+    rows and node ranges cut at multiples of 64 keys, no window, soft-capping or fp8 scales.
+
+    Tiles of 64 keys in three stages, where the prefill kernel takes 128 x 2: node pieces are short
+    (a few dozen tiles) and tail pieces shorter, and finer stages keep more of them in flight (H100,
+    2026-11-26: 8192/64/256 72.1 -> 66.0 us, 4096/256/128 120.2 -> 115.8 us; four stages of 64 and
+    the prefill with 64-key tiles were slower; ``results/sweeps/cascade_fused_sm90_h100.log``)."""
     if softcap or scales[0] is not None or plan.window or plan.block_m != NODE_BLOCK_M or plan.node_block_n % 64:
         return None
     view = covered(q, k_cache, v_cache)
     if view is None:
         return None
-    return dict(block_n=128, page_box=min(k_cache.shape[1], 64), stages=2, view=view)
+    return dict(block_n=64, page_box=min(k_cache.shape[1], 64), stages=3, view=view)
 
 
 def cascade_nodes_sm90(q, k_cache, v_cache, plan, scale: float, cfg: dict, pdl: bool, tails: bool):
