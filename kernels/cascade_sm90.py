@@ -15,8 +15,8 @@ count ring tiles across pieces. Piece ranges start on a page or on a multiple of
 run. A tail piece is a row block of one request (its ``GP`` heads), run by one consumer warpgroup
 (by the piece's parity: two consecutive tail pieces run side by side) while the other only releases
 its tiles; the last tile's V rows past the tail's end (inside its page: any values) are zeroed.
-Plans get these lists where their nodes have few row blocks, so that the node pieces are bound by
-memory like the tails: one kernel streaming both leaves out the second kernel's ramp-up and drain.
+One kernel streaming both leaves out the second kernel's ramp-up and drain, and lets SMs on tail
+pieces (bound by memory) run beside SMs on node pieces (bound by their GEMM pipeline).
 
 As the portable node kernel, it lets the next kernel launch at once (PDL), and the plan replays it on
 later calls through a ``DescriptorRelaunch`` (kernels/launch.py): Gluon's launch path with its

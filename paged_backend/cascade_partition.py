@@ -24,12 +24,6 @@ LEAF_FIELDS = 5  # (request, kv_head, token_start, token_end, slot) - the decode
 # Private tails are short (a few pages per request): half-size tiles and 4 programs per SM hide their
 # dependent loads better than the flat decode's 2 x 64 (H200 sweep, 2026-11-21: tails 10-18% faster).
 LEAF_PROGRAMS_PER_SM = 4
-# Node and tail pieces run in one Hopper kernel (``fused_order``) only where a node has at most this many
-# row blocks per KV head (work-weighted): its GEMMs then read each K/V tile for few rows and are bound by
-# memory like the tails, and one kernel streaming both took 8-15% off the two kernels (H100, 2026-11-26:
-# prefix 8192 x 64 samples, suffixes 128/256/512). With more row blocks the node GEMMs are bound by the
-# tensor cores and one kernel was even or slower (4096 x 256 x 128/256, 4096 x 128 x 1024: -4% to +10%).
-FUSE_MAX_ROW_BLOCKS = 2
 
 
 def choose_block_m(rows: np.ndarray, tokens: np.ndarray, gp: int, head_dim: int, wide: bool = False) -> int:
@@ -145,7 +139,7 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     live = (lens > shared).nonzero()[0]
     # with fused lists the tails are cut over the node programs (which take them whole: fewer, longer
     # pieces) and the decode kernel's programs take runs of those pieces
-    fuse = bool(live.size) and _fuses(plan, bm, nrb, end - start)
+    fuse = bool(live.size) and _fuses(plan, bm)
     if live.size:
         units = -(-(lens[live] - shared[live]) // bn)
         lseg, lseg_ptr, lprog, lcut_at, lcut_off = cut_pieces(units, gn if fuse else gl, hkv)
@@ -204,12 +198,12 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     return src, h
 
 
-def _fuses(plan, bm: int, nrb: np.ndarray, tokens: np.ndarray) -> bool:
+def _fuses(plan, bm: int) -> bool:
     """Whether the plan gets fused lists: the Hopper node kernel may run it (128-row tiles, node ranges
-    cut at multiples of 64 keys, no window) and its nodes have few row blocks (``FUSE_MAX_ROW_BLOCKS``).
-    ``nrb``, ``tokens`` [K]: each node's row blocks per KV head and keys."""
-    return (bm == 128 and not plan.node_block_n % 64 and not plan.window and use_sm90(plan.device)
-            and int(nrb @ tokens) <= FUSE_MAX_ROW_BLOCKS * int(tokens.sum()))
+    cut at multiples of 64 keys, no window). One launch measured 3-11% faster than the Hopper node
+    kernel then the decode kernel on every shape tried (H100, 2026-11-26, 64-key tiles;
+    ``benchmarks/results/sweeps/cascade_fused_sm90_h100.log``, run 10)."""
+    return bm == 128 and not plan.node_block_n % 64 and not plan.window and use_sm90(plan.device)
 
 
 def fused_order(node_prog: np.ndarray, leaf_prog: np.ndarray, n_node: int):
