@@ -182,10 +182,9 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
             lwork[lcut_at, 2] = tok
             lwork[lcut_at - 1, 3] = tok
         lwork[:, 4] = np.arange(n_node_slots, n_node_slots + n_leaf)
-    if fuse:
+    if fuse:  # the decode kernel's runs: equal numbers of pieces (a copied partition keeps them)
         h["fused_items"][:], h["fused_prog_ptr"][:] = fused_order(nprog, lprog, seg.size)
-        tok = np.cumsum(lwork[:, 3] - lwork[:, 2], dtype=np.int64)  # the decode kernel's runs: by tokens
-        h["leaf_prog_ptr"][:] = np.searchsorted(tok, np.arange(gl + 1) * tok[-1] // gl, side="right")
+        h["leaf_prog_ptr"][:] = np.arange(gl + 1) * n_leaf // gl
     else:
         h["leaf_prog_ptr"][:] = lprog
     h["members"][:] = members

@@ -296,10 +296,15 @@ def test_forest_reuse_after_decode_steps(seed):
         bt, lens = torch.from_numpy(table), torch.from_numpy(new_lens)
 
 
+@pytest.mark.parametrize("hopper", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_forest_reuse_copies_the_partition_only_when_equal(monkeypatch, seed):
+def test_forest_reuse_copies_the_partition_only_when_equal(monkeypatch, seed, hopper):
     """A grown step planned with ``forest=``: where only the tails' lengths changed the partition is
-    copied, else made anew; either way it equals the one made from scratch (bit for bit)."""
+    copied, else made anew; either way it equals the one made from scratch (bit for bit). ``hopper``:
+    planned as on Hopper with 128-row tiles (fused lists)."""
+    if hopper:
+        monkeypatch.setattr(cpart, "use_sm90", lambda device: True)
+        monkeypatch.setattr(cpart, "choose_block_m", lambda *a, **k: 128)
     rng = np.random.default_rng(6000 + seed)
     bs = [4, 16][seed % 2]
     reqs = (long_forest if seed % 2 else random_forest)(rng, bs, max_depth=1 + seed % 3, max_requests=40)
