@@ -88,9 +88,9 @@ def _same_tails(plan, forest, gl: int) -> bool:
                                            forest.node_programs if fused else gl, hkv)
     if cut_at.size or lseg.size != n * hkv:
         return False
-    if fused:
-        items, ptr = fused_order(forest.host["node_prog_ptr"], lprog, forest.num_node_pieces)
-        return np.array_equal(ptr, forest.host["fused_prog_ptr"]) and np.array_equal(items, forest.host["fused_items"])
+    if fused:  # the fused lists follow from the node programs (the forest's) and the tails' runs
+        tails = np.diff(forest.host["fused_prog_ptr"]) - np.diff(forest.host["node_prog_ptr"])
+        return np.array_equal(np.diff(lprog), tails)
     return np.array_equal(lprog, forest.host["leaf_prog_ptr"])
 
 

@@ -101,7 +101,6 @@ def test_cut_pieces_deterministic_and_poisoned():
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 
-
 def test_fused_plan_with_softcap_runs_portable():
     """A plan with fused lists whose call the Hopper kernel does not cover (soft-capping): the portable
     node kernel and the decode kernel run it, the tails on the decode programs' runs of the pieces
