@@ -15,6 +15,8 @@ phase ``(it // STAGES) & 1``), across all the work items a persistent program wa
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -256,6 +258,11 @@ def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, view, box: int, bl
     ``[block_n, D]`` shared tiles."""
     rows, width = view[:2]
     d = k_cache.shape[-1]
-    layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.float16 if k_cache.dtype == torch.float16
-                                                  else gl.bfloat16)
+    layout = _tile_layout(block_n, d, k_cache.dtype == torch.float16)
     return [TensorDescriptor(c, [rows, width], [c.stride(1), 1], [box, d], layout) for c in (k_cache, v_cache)]
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_layout(block_n: int, d: int, f16: bool):
+    """The shared layout of a ``[block_n, d]`` tile (made once: ~15 us of host time a call otherwise)."""
+    return gl.NVMMASharedLayout.get_default_for([block_n, d], gl.float16 if f16 else gl.bfloat16)

@@ -22,9 +22,12 @@ a tensor subclass or other argument type, a tensor passed by keyword, a grid tha
 a kernel that reads global variables other than constexpr constants.
 
 Gluon's host-side TMA descriptors (``TensorDescriptor``) are keyed by every field (the base tensor
-by dtype and 16-byte alignment, as tensors), and passed to the launcher as they are: it encodes their
-TMA maps on every launch. :class:`DescriptorRelaunch` relaunches such a launch with descriptors of
-new addresses.
+by dtype and 16-byte alignment, as tensors). Triton's launcher encodes their TMA maps on every
+launch, in a Python wrapper around its C launcher that walks every argument; on Triton 3.6 (the
+release the Gluon kernels run on) a direct launch keeps the encoded arguments of each descriptor
+per (argument, base address) and calls the C launcher itself (:class:`_TmaLaunch`); elsewhere it
+passes the descriptors to the wrapper. :class:`DescriptorRelaunch` relaunches such a launch with
+descriptors of new addresses.
 
 A caller that launches the same kernels many times with only some leading arguments changing (a
 decode plan's launches, once per layer and step) can skip even that key: ``launch`` returns a
@@ -64,6 +67,7 @@ except ImportError:  # a Triton without Gluon: no descriptor arguments to key
 VERSIONS = ((3, 6), (3, 7), (3, 8), (3, 9))
 _HANDLED = (torch.Tensor, int, bool, float, type(None))
 _MAX_ENTRIES = 4096  # a bound on the cache; when full it starts over (the normal path refills it)
+_MAX_MAPS = 64  # encoded TMA maps kept per compiled Gluon kernel (addresses seen: a few per layer's caches)
 _dtype = attrgetter("dtype")
 _data_ptr = torch.Tensor.data_ptr
 
@@ -136,9 +140,9 @@ def _watched(fn) -> bool:
                 or leave is not None and (type(leave) is not HookChain or leave.calls))
 
 
-def _bind(fn, compiled, n_args: int, kw: dict) -> tuple:
+def _bind(fn, compiled, args: tuple, kw: dict) -> tuple:
     """What a direct launch of ``compiled`` (from ``fn[grid](...)``) needs; () where it cannot go direct."""
-    names = fn.arg_names[n_args:]
+    names = fn.arg_names[len(args):]
     # run() re-checks the globals a kernel read; constexpr module constants (the Gluon kernels' ROWS)
     # are taken as constants. Defaults are not bound.
     if any(not isinstance(v, tl.constexpr) for v, _ in fn.used_global_vals.values()) or not set(names) <= kw.keys():
@@ -148,8 +152,10 @@ def _bind(fn, compiled, n_args: int, kw: dict) -> tuple:
     function, packed = getattr(compiled, "function", None), getattr(compiled, "packed_metadata", None)
     if function is None or packed is None:
         return ()
+    descs = [i for i, a in enumerate(args) if type(a) is _Descriptor]
+    tma = _TmaLaunch.of(compiled.run, descs) if descs else None
     # The compiled kernel itself is kept: Triton 3.9 unloads its module when it is collected.
-    return fn, compiled, compiled.run, function, packed, tuple(kw[n] for n in names)
+    return fn, compiled, compiled.run, function, packed, tuple(kw[n] for n in names), tma
 
 
 def _context(device) -> tuple:
@@ -180,7 +186,7 @@ class Relaunch:
     __slots__ = ("fn", "context", "run", "g0", "g1", "g2", "function", "packed", "rest", "tensors")
 
     def __init__(self, bound: Bound, n: int):
-        self.fn, _, self.run, self.function, self.packed, tail = bound.entry
+        self.fn, _, self.run, self.function, self.packed, tail, _ = bound.entry
         self.g0, self.g1, self.g2 = (*bound.grid, 1, 1)[:3]
         self.context = bound.context
         rest = bound.args[n:]
@@ -189,6 +195,96 @@ class Relaunch:
 
     def __call__(self, stream, *lead) -> None:
         self.run(self.g0, self.g1, self.g2, stream, self.function, self.packed, None, None, None, *lead, *self.rest)
+
+
+class DescriptorRelaunch:
+    """A :class:`Relaunch` of a kernel whose leading arguments include host-side TMA descriptors
+    (Gluon's ``TensorDescriptor``, kernels/*_sm90.py): called like a relaunch with a tensor's
+    address in each descriptor's place, it passes a descriptor of that address with the bound one's
+    shape, strides and padding (on Triton 3.6 the kept TMA map of that address, see
+    :class:`_TmaLaunch`). No tensor behind a descriptor is kept."""
+    __slots__ = ("relaunch", "fn", "context", "descs", "tma")
+
+    def __init__(self, bound: Bound, n: int):
+        self.relaunch = bound.lead(n)
+        self.fn, self.context = self.relaunch.fn, self.relaunch.context
+        # lead position -> (shape, strides, padding) of the descriptor bound there
+        self.descs = {i: (a.shape, a.strides, a.padding) for i, a in enumerate(bound.args[:n])
+                      if type(a) is _Descriptor}
+        self.tma = bound.entry[6]
+
+    def __call__(self, stream, *lead) -> None:
+        lead = [*lead]
+        for i, (shape, strides, padding) in self.descs.items():
+            lead[i] = _HostDescriptor(_Address(lead[i]), shape, strides, padding)
+        r = self.relaunch
+        if self.tma is None:
+            r(stream, *lead)
+        else:
+            self.tma(r.g0, r.g1, r.g2, stream, r.function, r.packed, self.tma.flat(lead, _address), r.rest)
+
+
+class _TmaLaunch:
+    """Triton 3.6's C launcher behind a compiled Gluon kernel's ``CudaLauncher`` (whose ``launch``
+    wraps it in ``inner(*args)``, expanding each descriptor argument with the driver module's
+    ``make_tensordesc_arg`` on every call), and the expanded arguments of its descriptors, kept per
+    (argument position, base address): the other fields of a descriptor are fixed per compiled
+    specialization (they are in the launch's key), and an encoded map is a function of them and the
+    address. At most ``_MAX_MAPS`` are kept."""
+    __slots__ = ("launcher", "coop", "pdl", "meta", "expand", "nth", "maps")
+
+    def __init__(self, launcher, coop, pdl, meta, expand, positions):
+        self.launcher, self.coop, self.pdl, self.meta, self.expand = launcher, coop, pdl, meta, expand
+        self.nth = {p: n for n, p in enumerate(positions)}  # argument position -> the descriptor's number
+        self.maps = {}
+
+    @classmethod
+    def of(cls, run, positions):
+        """For the launcher ``run`` of a kernel with descriptors at argument ``positions``, or None
+        where ``run`` has another structure or takes scratch buffers."""
+        inner = getattr(run, "launch", None)
+        code, cells = getattr(inner, "__code__", None), getattr(inner, "__closure__", None)
+        if code is None or cells is None or getattr(run, "global_scratch_size", 1) \
+                or getattr(run, "profile_scratch_size", 1):
+            return None
+        env = dict(zip(code.co_freevars, (c.cell_contents for c in cells)))
+        expand = inner.__globals__.get("make_tensordesc_arg")
+        if set(env) != {"launcher", "tensordesc_indices", "tensordesc_meta"} or expand is None \
+                or inner.__globals__.get("_BASE_ARGS_FORMAT_LEN") != 13 \
+                or len(env["tensordesc_indices"]) != len(positions):
+            return None
+        return cls(env["launcher"], run.launch_cooperative_grid, run.launch_pdl, env["tensordesc_meta"], expand,
+                   positions)
+
+    def flat(self, args, address) -> list:
+        """``args`` with each descriptor (at a position this launch has them) expanded as the C launcher
+        takes it; ``address(descriptor)``: its base address."""
+        out = []
+        for i, a in enumerate(args):
+            if i in self.nth:
+                key = (i, address(a))
+                got = self.maps.get(key)
+                if got is None:
+                    if len(self.maps) >= _MAX_MAPS:
+                        self.maps.clear()
+                    meta = None if self.meta is None else self.meta[self.nth[i]]
+                    got = self.maps[key] = (*self.expand(a, meta),)
+                out += got
+            else:
+                out.append(a)
+        return out
+
+    def __call__(self, g0, g1, g2, stream, function, packed, args, rest) -> None:
+        self.launcher(g0, g1, g2, stream, function, self.coop, self.pdl, None, None, packed, None, None, None,
+                      *args, *rest)
+
+
+def _base_address(d) -> int:
+    return d.base.data_ptr()
+
+
+def _address(d) -> int:
+    return d.base.ptr
 
 
 class _Address:
@@ -200,28 +296,6 @@ class _Address:
 
     def data_ptr(self) -> int:
         return self.ptr
-
-
-class DescriptorRelaunch:
-    """A :class:`Relaunch` of a kernel whose leading arguments include host-side TMA descriptors
-    (Gluon's ``TensorDescriptor``, kernels/*_sm90.py): called like a relaunch with a tensor's
-    address in each descriptor's place, it passes a descriptor of that address with the bound one's
-    shape, strides and padding (what Triton 3.6's launcher reads of it: it encodes the TMA map on
-    every launch). No tensor behind a descriptor is kept."""
-    __slots__ = ("relaunch", "fn", "context", "descs")
-
-    def __init__(self, bound: Bound, n: int):
-        self.relaunch = bound.lead(n)
-        self.fn, self.context = self.relaunch.fn, self.relaunch.context
-        # lead position -> (shape, strides, padding) of the descriptor bound there
-        self.descs = {i: (a.shape, a.strides, a.padding) for i, a in enumerate(bound.args[:n])
-                      if not isinstance(a, (torch.Tensor, int, float))}
-
-    def __call__(self, stream, *lead) -> None:
-        lead = [*lead]
-        for i, (shape, strides, padding) in self.descs.items():
-            lead[i] = _HostDescriptor(_Address(lead[i]), shape, strides, padding)
-        self.relaunch(stream, *lead)
 
 
 class _HostDescriptor:
@@ -261,15 +335,18 @@ def launch(fn, grid: tuple, *args, **kw) -> Bound | None:
             except TypeError:  # an unhashable keyword value (Triton keys on its str())
                 pass
     if entry:
-        _, _, run, function, packed, tail = entry
+        _, _, run, function, packed, tail, tma = entry
         g = (*grid, 1, 1)
-        run(g[0], g[1], g[2], _stream(context[0]), function, packed, None, None, None, *args, *tail)
+        if tma is None:
+            run(g[0], g[1], g[2], _stream(context[0]), function, packed, None, None, None, *args, *tail)
+        else:
+            tma(g[0], g[1], g[2], _stream(context[0]), function, packed, tma.flat(args, _base_address), tail)
         return Bound(entry, grid, args, context)
     compiled = fn[grid](*args, **kw)
     if entry is None:
         if len(_entries) >= _MAX_ENTRIES:
             _entries.clear()
-        entry = _entries[key] = _bind(fn, compiled, len(args), kw)
+        entry = _entries[key] = _bind(fn, compiled, args, kw)
         if entry:
             return Bound(entry, grid, args, context)
     return None

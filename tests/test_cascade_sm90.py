@@ -113,3 +113,23 @@ def test_fused_plan_with_softcap_runs_portable():
     out, lse = pb.cascade_decode(q, k, v, cplan, softcap=30.0)
     ref_o, ref_l = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu(), softcap=30.0)
     assert_close_state(out, lse, ref_o, ref_l, q.dtype)
+
+
+def test_replays_with_new_addresses():
+    """Later calls replay the plan's launches: the Hopper kernel's with the TMA maps kept per address
+    (kernels/launch.py ``_TmaLaunch``: the C launcher called directly on the Triton release the Gluon
+    kernels run on). New caches and queries, then the first ones again:
+    each replay equals the first call of a fresh plan bit for bit."""
+    from paged_backend.kernels.launch import DescriptorRelaunch
+    q, k, v, table, lens = groups_inputs([2000], 32, 37, 32, 8, 128, 16, torch.bfloat16)
+    out, lse, cplan = run_case(q, k, v, table, lens, 16)
+    replays = [r for rs in cplan.launches.values() for r in rs if isinstance(r, DescriptorRelaunch)]
+    assert len(replays) == 1 and replays[0].tma is not None
+    k2, v2, q2 = k.flip(0).contiguous(), v.flip(0).contiguous(), q.flip(0).contiguous()
+    for args in ((q2, k2, v2), (q, k, v), (q2, k2, v2)):
+        fresh = pb.plan_cascade(table, lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                                device="cuda", cost=KEEP_ALL)
+        want = pb.cascade_decode(*args, fresh)
+        got = pb.cascade_decode(*args, cplan)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert len(replays[0].tma.maps) == 4  # (k, v) at two addresses

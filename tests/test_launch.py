@@ -199,6 +199,57 @@ def test_a_descriptor_relaunch_passes_descriptors_of_the_new_addresses(calls):
     assert relaunch.relaunch.tensors == []  # the descriptor's tensor was a leading argument
 
 
+_TRITON_36_WRAPPER = """
+_BASE_ARGS_FORMAT_LEN = 13
+
+def make_tensordesc_arg(arg, metadata):
+    encoded.append((arg.base.data_ptr(), metadata))
+    return [("map", arg.base.data_ptr(), metadata), *arg.shape, *arg.strides]
+
+def wrap(launcher, tensordesc_indices, tensordesc_meta):
+    def inner(*args):  # (3.6's reads these three and encodes every map again)
+        raise AssertionError((launcher, tensordesc_indices, tensordesc_meta))
+    return inner
+"""
+
+
+@pytest.fixture
+def calls36(calls, monkeypatch):
+    """As ``calls``, with a compiled kernel whose launcher has Triton 3.6's structure (a Python wrapper
+    around the C launcher that would encode every descriptor's TMA map on every call): records the
+    maps encoded and the C launcher's calls."""
+    encoded = []
+    env = {"encoded": encoded}
+    exec(_TRITON_36_WRAPPER, env)
+    run = SimpleNamespace(launch=env["wrap"](lambda *a: calls.append(("c",) + a), {1}, [{"swizzle": 128}]),
+                          global_scratch_size=0, profile_scratch_size=0, launch_cooperative_grid=False,
+                          launch_pdl=True)
+    compiled = SimpleNamespace(function="function", packed_metadata="packed", run=run)
+    monkeypatch.setattr(_scale, "run",
+                        lambda *args, grid, warmup, **kw: calls.append(("normal", grid) + args) or compiled)
+    return calls, encoded
+
+
+def test_descriptor_launches_keep_the_tma_maps_and_call_the_c_launcher(calls36):
+    """Direct launches and descriptor relaunches of a kernel taking a TMA descriptor (Triton 3.6's
+    launcher): each base address is encoded once and the C launcher gets the expanded arguments."""
+    calls, encoded = calls36
+    x, y, y2 = torch.zeros(64), torch.zeros(64, 64, dtype=torch.bfloat16), torch.ones(64, 64, dtype=torch.bfloat16)
+    desc = _descriptor(y)
+    first = launch.launch(_scale, (4,), x, desc, 64, BLOCK=16)  # normal, then bound
+    launch.launch(_scale, (4,), x, _descriptor(y), 64, BLOCK=16)  # direct
+    relaunch = launch.DescriptorRelaunch(first, 2)
+    for address in (y2.data_ptr(), y.data_ptr(), y2.data_ptr()):
+        relaunch("stream", 123, address)
+    meta = {"swizzle": 128}
+    assert encoded == [(y.data_ptr(), meta), (y2.data_ptr(), meta)]  # once per address
+    c = ("c", 4, 1, 1, "stream", "function", False, True, None, None, "packed", None, None, None)
+    expanded = lambda a: (("map", a, meta), *desc.shape, *desc.strides)  # noqa: E731
+    assert calls[0][0] == "normal" and calls[1:] == [
+        (*c, x, *expanded(y.data_ptr()), 64, 16),
+        *[(*c, 123, *expanded(a), 64, 16) for a in (y2.data_ptr(), y.data_ptr(), y2.data_ptr())]]
+
+
 def test_a_relaunch_takes_new_leading_arguments(calls):
     """The leading arguments come as the caller passes them (device addresses); the bound launch's
     other tensors go to the launcher as addresses too, and the relaunch keeps them alive."""

@@ -109,7 +109,9 @@ def test_uncovered_calls_fall_back():
 def test_a_call_like_an_earlier_one_launches_direct(monkeypatch):
     """The Hopper kernel goes through ``launch`` (its TMA descriptors keyed by their fields): a call
     with new tensors of the same shapes calls the compiled kernel directly, not ``JITFunction.run``
-    (~160 us of host time a call on the H100 host), with the new caches' descriptors."""
+    (~160 us of host time a call on the H100 host), with the new caches' descriptors (their TMA maps
+    encoded once and kept)."""
+    from paged_backend.kernels import launch
     from paged_backend.kernels.prefill_sm90 import _prefill_sm90_kernel
     first = make_prefill_inputs([300, 20], [700, 20], 32, 8, 128, 16, BF16, device="cuda")
     run_sm90(first)
@@ -121,3 +123,7 @@ def test_a_call_like_an_earlier_one_launches_direct(monkeypatch):
     out, lse = run_sm90(second)
     ref_o, ref_lse = device_reference(*second)
     assert_close_state(out, lse, ref_o, ref_lse, BF16)
+    # Triton 3.6: the C launcher called directly, the second caches' TMA maps kept (arguments 1, 2)
+    entries = [e for e in launch._entries.values() if e and e[0] is _prefill_sm90_kernel]
+    assert entries and all(e[6] is not None for e in entries)
+    assert any({(1, second[1].data_ptr()), (2, second[2].data_ptr())} <= e[6].maps.keys() for e in entries)
