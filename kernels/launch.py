@@ -211,7 +211,8 @@ class DescriptorRelaunch:
         # lead position -> (shape, strides, padding) of the descriptor bound there
         self.descs = {i: (a.shape, a.strides, a.padding) for i, a in enumerate(bound.args[:n])
                       if type(a) is _Descriptor}
-        self.tma = bound.entry[6]
+        tma = bound.entry[6]  # (it expands leading descriptors only: the rest go to the launcher as bound)
+        self.tma = tma if tma is not None and all(i < n for i in tma.nth) else None
 
     def __call__(self, stream, *lead) -> None:
         lead = [*lead]
@@ -221,7 +222,7 @@ class DescriptorRelaunch:
         if self.tma is None:
             r(stream, *lead)
         else:
-            self.tma(r.g0, r.g1, r.g2, stream, r.function, r.packed, self.tma.flat(lead, _address), r.rest)
+            self.tma(r.g0, r.g1, r.g2, stream, r.function, r.packed, self.tma.flat(lead), r.rest)
 
 
 class _TmaLaunch:
@@ -256,13 +257,13 @@ class _TmaLaunch:
         return cls(env["launcher"], run.launch_cooperative_grid, run.launch_pdl, env["tensordesc_meta"], expand,
                    positions)
 
-    def flat(self, args, address) -> list:
+    def flat(self, args) -> list:
         """``args`` with each descriptor (at a position this launch has them) expanded as the C launcher
-        takes it; ``address(descriptor)``: its base address."""
+        takes it."""
         out = []
         for i, a in enumerate(args):
             if i in self.nth:
-                key = (i, address(a))
+                key = (i, a.base.data_ptr())
                 got = self.maps.get(key)
                 if got is None:
                     if len(self.maps) >= _MAX_MAPS:
@@ -277,14 +278,6 @@ class _TmaLaunch:
     def __call__(self, g0, g1, g2, stream, function, packed, args, rest) -> None:
         self.launcher(g0, g1, g2, stream, function, self.coop, self.pdl, None, None, packed, None, None, None,
                       *args, *rest)
-
-
-def _base_address(d) -> int:
-    return d.base.data_ptr()
-
-
-def _address(d) -> int:
-    return d.base.ptr
 
 
 class _Address:
@@ -340,7 +333,7 @@ def launch(fn, grid: tuple, *args, **kw) -> Bound | None:
         if tma is None:
             run(g[0], g[1], g[2], _stream(context[0]), function, packed, None, None, None, *args, *tail)
         else:
-            tma(g[0], g[1], g[2], _stream(context[0]), function, packed, tma.flat(args, _base_address), tail)
+            tma(g[0], g[1], g[2], _stream(context[0]), function, packed, tma.flat(args), tail)
         return Bound(entry, grid, args, context)
     compiled = fn[grid](*args, **kw)
     if entry is None:
