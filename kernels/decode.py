@@ -225,9 +225,17 @@ def fold_states(lists, partial_o, partial_lse, out, lse, num_kv_heads: int, pdl:
         *partial_o.stride(), *partial_lse.stride(), *out.stride(), *lse.stride(),
         GROUP=hq // num_kv_heads, D=d, BLOCK_P=block_p, BLOCK_D=pow2(d) // split,
         INDIRECT=slots is not None, SKIP_SINGLE=skip_single, SINKS=sinks is not None, PDL=pdl,
-        num_warps=4 if block_p >= 32 else 2, num_stages=1, **({"launch_pdl": True} if pdl else {}),
+        num_warps=_fold_warps(block_p), num_stages=1, **({"launch_pdl": True} if pdl else {}),
     )
     return bound and bound.lead(2)
+
+
+def _fold_warps(block_p: int) -> int:
+    """Warps of a fold program loading ``block_p`` states of ``BLOCK_D`` columns at once: as few as hold
+    the tile, since the sum over states crosses warps through shared memory (H100, 2026-11-26: one warp
+    for <= 8 states folds the cascade's lists 18-33% faster than two, four warps take 2.5x as long;
+    ``results/sweeps/fold_warps_h100.log``)."""
+    return 1 if block_p <= 8 else 4 if block_p >= 32 else 2
 
 
 def call_key(tensors: tuple, *values) -> tuple:
