@@ -231,9 +231,9 @@ def fold_states(lists, partial_o, partial_lse, out, lse, num_kv_heads: int, pdl:
 
 
 def _fold_warps(block_p: int) -> int:
-    """Warps of a fold program loading ``block_p`` states of ``BLOCK_D`` columns at once: as few as hold
-    the tile, since the sum over states crosses warps through shared memory (H100, 2026-11-26: one warp
-    for <= 8 states folds the cascade's lists 18-33% faster than two, four warps take 2.5x as long;
+    """Warps of a fold program loading ``block_p`` states of ``BLOCK_D`` columns at once: few, since the
+    sum over states crosses warps through shared memory (H100, 2026-11-26: one warp for <= 8 states folds
+    the cascade's lists 31-35% faster than two, and four take 2.5x as long; two and one even at 16;
     ``results/sweeps/fold_warps_h100.log``)."""
     return 1 if block_p <= 8 else 4 if block_p >= 32 else 2
 
