@@ -8,15 +8,17 @@ pieces and the merge lists, packed into one int32 array that is copied to the de
   first, in piece order. The merge list of ``(request, kv_head)`` holds its node slots (parents
   first, a node's pieces in token order), then its tail's: CSR ``req_ptr`` over the lists, ``slots``.
 - On Hopper, plans of 128-row node tiles also get one list of both kinds of pieces per node program
-  (``fused_items``, ``fused_prog_ptr``: :func:`fused_order`), which the Hopper kernel runs in one
-  launch (kernels/cascade_sm90.py); the slots are the same, so other kernels ignore the lists.
+  (``fused_items``, ``fused_prog_ptr``), which the Hopper kernel runs in one launch
+  (kernels/cascade_sm90.py); the slots are the same, so other kernels ignore the lists. Their node
+  segments are cut in lockstep where they are equally long, not stream-K (:mod:`paged_backend.cascade_fused`).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from paged_backend.kernels.dispatch import num_sms, use_sm90
+from paged_backend.cascade_fused import FUSED_BLOCK_M, fused_order, fuses, lockstep, lockstep_pieces
+from paged_backend.kernels.dispatch import num_sms
 from paged_backend.plan import cut_pieces
 
 NODE_FIELDS = 7  # (rep request, kv_head, member base, members in block, token_start, token_end, slot base)
@@ -75,7 +77,7 @@ def _node_grid(node_programs, sms: int, block_m: int) -> int:
 def _same_tails(plan, forest, gl: int) -> bool:
     """The same requests have tails as in ``forest``, one piece per (request, kv_head) then and now
     (so the same pieces, programs and merge lists: only the tails' lengths differ). With fused lists
-    (:func:`fused_order`) the tails are cut over the node programs, and those lists must be the same."""
+    (``cascade_fused.fused_order``) the tails are cut over the node programs, and those lists must be the same."""
     lens, shared, hkv = plan.seq_lens_host, plan.tail_start(), plan.num_kv_heads
     live = lens > shared
     n = int(np.count_nonzero(live))
@@ -120,10 +122,24 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     start, end = plan.node_start, plan.node_end
     gp = 1 << max(0, (group - 1).bit_length())
     sizes = ptr[1:] - ptr[:-1]
+    units = -(-(end - start) // nbn)  # [K] each node's key tiles
+    live = (lens > shared).nonzero()[0]  # the requests with a private tail
+    # Hopper runs 128-row tiles with the tails in one launch (fused lists: the tails cut over the node
+    # programs, which take them whole: fewer, longer pieces; no piece may start inside a page box)
+    g128 = _node_grid(node_programs, sms, FUSED_BLOCK_M)
+    fusable = bool(live.size) and gp <= FUSED_BLOCK_M and fuses(plan)
+    if fusable:
+        tail_cut = cut_pieces(-(-(lens[live] - shared[live]) // bn), g128, hkv)
+        fusable = not (tail_cut[4] * bn % min(plan.block_size, 64)).any()
     flops = float((sizes * (end - start)).sum()) * group * 4 * d * hkv  # the node GEMMs, unpadded
-    bm = choose_block_m(sizes * gp, end - start, gp, d, wide=flops >= wide_tile_flops * (node_programs or sms))
+    # 256-row tiles halve the K/V bytes of the portable kernel; lockstep 128-row Hopper tiles read them
+    # from HBM once (32768/256/256 on the H100: 449-453 -> 336-343 us)
+    wide = flops >= wide_tile_flops * (node_programs or sms) and not (
+        fusable and lockstep(units, hkv * -(-sizes * gp // FUSED_BLOCK_M), g128))
+    bm = choose_block_m(sizes * gp, end - start, gp, d, wide=wide)
     mpb = bm // gp
     gn = _node_grid(node_programs, sms, bm)
+    fuse = fusable and bm == FUSED_BLOCK_M
     plan.block_m, plan.node_programs, plan.leaf_programs = bm, int(gn), int(gl)
     # --- node segments: (node, kv_head, row block), laid end to end
     nrb = -(-sizes // mpb)
@@ -133,19 +149,17 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     kvh, rb = np.divmod(np.arange(node.size) - seg0[node], nrb[node])
     mbase = ptr[node] + rb * mpb  # [S] the row block's first membership
     n_in = np.minimum(ptr[node + 1] - mbase, mpb)  # [S] and its members
-    seg, seg_ptr, nprog, cut_at, cut_off = cut_pieces(-(-(end - start) // nbn), gn, per_node)
+    k = lockstep(units, per_node, gn) if fuse else 0
+    if k:
+        seg, seg_ptr, nprog, cut_at, cut_off = lockstep_pieces(int(units[0]), int(per_node.sum()), k, gn)
+    else:
+        seg, seg_ptr, nprog, cut_at, cut_off = cut_pieces(units, gn, per_node)
     n_node_slots = int(n_in.sum() + n_in[seg[cut_at]].sum())
-    # --- tails: (request, kv_head) segments of the requests with a private tail
-    live = (lens > shared).nonzero()[0]
-    # with fused lists the tails are cut over the node programs (which take them whole: fewer, longer
-    # pieces) and the decode kernel's programs take runs of those pieces
-    fuse = bool(live.size) and _fuses(plan, bm)
-    if live.size:
-        units = -(-(lens[live] - shared[live]) // bn)
-        lseg, lseg_ptr, lprog, lcut_at, lcut_off = cut_pieces(units, gn if fuse else gl, hkv)
-        if fuse and (lcut_off * bn % min(plan.block_size, 64)).any():  # a piece would start inside a page box
-            fuse = False
-            lseg, lseg_ptr, lprog, lcut_at, lcut_off = cut_pieces(units, gl, hkv)
+    # --- tails: (request, kv_head) segments; fused, the decode kernel's programs take runs of the pieces
+    if fuse:
+        lseg, lseg_ptr, lprog, lcut_at, lcut_off = tail_cut
+    elif live.size:
+        lseg, lseg_ptr, lprog, lcut_at, lcut_off = cut_pieces(-(-(lens[live] - shared[live]) // bn), gl, hkv)
     else:  # every request lies wholly in nodes
         lseg = lcut_at = lcut_off = np.zeros(0, np.int64)
         lseg_ptr, lprog = np.zeros(1, np.int64), np.zeros(gl + 1, np.int64)
@@ -195,35 +209,6 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     plan.num_slots = n_node_slots + int(n_leaf)
     plan.max_merge_len = int(count.max())
     return src, h
-
-
-def _fuses(plan, bm: int) -> bool:
-    """Whether the plan gets fused lists: the Hopper node kernel may run it (128-row tiles, node ranges
-    cut at multiples of 64 keys, no window). One launch measured 3-11% faster than the Hopper node
-    kernel then the decode kernel on every shape tried (H100, 2026-11-26, 64-key tiles;
-    ``benchmarks/results/sweeps/cascade_fused_sm90_h100.log``, run 10)."""
-    return bm == 128 and not plan.node_block_n % 64 and not plan.window and use_sm90(plan.device)
-
-
-def fused_order(node_prog: np.ndarray, leaf_prog: np.ndarray, n_node: int):
-    """One list of pieces per node program for a kernel running node and tail pieces together:
-    program ``g`` takes node program ``g``'s pieces and the tail pieces of leaf programs
-    ``ceil(g * GL / G) ..`` (both already balanced). Even programs run their node pieces first, odd
-    ones their tails first, so that while some SMs run the node GEMMs (bound by the tensor cores)
-    others stream tails (bound by memory). ``node_prog [G + 1]``, ``leaf_prog [GL + 1]``: the two
-    kernels' program pointers. -> (items [Pn + Pt]: node piece ``i`` as ``i``, tail piece ``j`` as
-    ``n_node + j``; prog_ptr [G + 1])."""
-    grid, n_leaf = node_prog.size - 1, int(leaf_prog[-1])
-    tail_prog = leaf_prog[-(-np.arange(grid + 1) * (leaf_prog.size - 1) // grid)]  # [G + 1]
-    nn, nt = np.diff(node_prog), np.diff(tail_prog)
-    ptr = np.zeros(grid + 1, dtype=np.int64)
-    np.cumsum(nn + nt, out=ptr[1:])
-    odd = np.arange(grid) % 2 == 1
-    items = np.empty(int(ptr[-1]), dtype=np.int64)
-    items[np.repeat(ptr[:-1] + np.where(odd, nt, 0) - node_prog[:-1], nn) + np.arange(n_node)] = np.arange(n_node)
-    items[np.repeat(ptr[:-1] + np.where(odd, 0, nn) - tail_prog[:-1], nt) + np.arange(n_leaf)] = \
-        n_node + np.arange(n_leaf)
-    return items, ptr
 
 
 def _merge_lists(plan, h, kvh, mbase, n_in, nrb, seg0, seg, seg_ptr, cut_at, slot_base, mpb,

@@ -8,6 +8,7 @@ import torch
 
 import paged_backend as pb
 from paged_backend import cascade_forest as cf
+from paged_backend import cascade_fused as cfused
 from paged_backend import cascade_partition as cpart
 from paged_backend.cascade_forest import auto_forest
 from paged_backend.cascade_plan import LEAF_FIELDS, NODE_FIELDS, CascadeCost
@@ -218,7 +219,7 @@ def test_fused_lists(monkeypatch, seed):
     """Plans as on Hopper (128-row node tiles there): the lists of node and tail pieces per node
     program, with the partition itself complete; none where a tail piece would start inside a page
     box (pages of 64, tails cut at 32 keys)."""
-    monkeypatch.setattr(cpart, "use_sm90", lambda device: True)
+    monkeypatch.setattr(cfused, "use_sm90", lambda device: True)
     monkeypatch.setattr(cpart, "choose_block_m", lambda *a, **k: 128)
     rng = np.random.default_rng(5000 + seed)
     bs = [16, 32, 64][seed % 3]
@@ -239,8 +240,84 @@ def test_fused_lists(monkeypatch, seed):
 def test_fused_order_small():
     """Two node programs, four leaf programs: program 0 = its two node pieces then leaf programs 0-1's
     tails, program 1 = leaf programs 2-3's tails then its node pieces."""
-    items, ptr = cpart.fused_order(np.array([0, 2, 3]), np.array([0, 1, 1, 3, 4]), 3)
+    items, ptr = cfused.fused_order(np.array([0, 2, 3]), np.array([0, 1, 1, 3, 4]), 3)
     assert items.tolist() == [0, 1, 3, 4, 5, 6, 2] and ptr.tolist() == [0, 3, 7]
+
+
+@pytest.mark.parametrize("units,n_seg,k", [(8, 3, 2), (12, 4, 3), (7, 2, 3), (5, 5, 5), (9, 6, 1)])
+def test_lockstep_pieces(units, n_seg, k):
+    """``k`` pieces per segment, piece ``i`` on program ``i``, the programs past them empty; where
+    ``k`` divides the units these are stream-K's own cuts over ``k * n_seg`` programs."""
+    grid = n_seg * k + 2
+    seg, seg_ptr, prog, cut_at, cut_off = cfused.lockstep_pieces(units, n_seg, k, grid)
+    assert seg.tolist() == [s for s in range(n_seg) for _ in range(k)]
+    assert seg_ptr.tolist() == list(range(0, n_seg * k + 1, k))
+    assert prog.tolist() == list(range(n_seg * k + 1)) + [n_seg * k] * 2
+    assert cut_at.tolist() == [p for p in range(n_seg * k) if p % k]
+    assert cut_off.tolist() == [(p % k) * units // k for p in cut_at.tolist()]
+    if units % k == 0:
+        want = cut_pieces(np.array([units]), n_seg * k, np.array([n_seg]))
+        got = (seg, seg_ptr, prog[:n_seg * k + 1], cut_at, cut_off)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("units,per_node,grid,k", [
+    ([512], [64], 132, 2),  # 32768/256/256: 8 KV heads x 8 row blocks
+    ([128], [16], 132, 8),  # 8192/64/256
+    ([64, 64], [8, 8], 132, 8),  # two nodes of one length
+    ([512], [48], 132, 0),  # 96 of 132 programs: too few
+    ([1], [16], 132, 0),  # one tile a segment: 16 programs
+    ([64, 32], [8, 8], 132, 0),  # nodes of two lengths
+    ([512], [140], 132, 0),  # more segments than programs
+])
+def test_lockstep(units, per_node, grid, k):
+    assert cfused.lockstep(np.array(units), np.array(per_node), grid) == k
+
+
+def prefix_forest(n: int, shared: int, private: int):
+    """``n`` requests sharing ``shared`` blocks, each with one private block and ``private`` tokens."""
+    return [(list(range(shared)) + [shared + i], private) for i in range(n)]
+
+
+@pytest.mark.parametrize("hopper", [False, True])
+def test_lockstep_plan(monkeypatch, hopper):
+    """One shared prefix: 40 requests of group 16 are 5 row blocks of 128 rows per KV head (10 node
+    segments of 3 tiles). As on Hopper (fused lists), 22 node programs take 2 pieces of every segment,
+    piece ``i`` on program ``i``, the row blocks of a KV head on the same keys; wide tiles are not
+    chosen. Elsewhere stream-K cuts them and 256-row tiles are a candidate."""
+    wide = []
+    monkeypatch.setattr(cfused, "use_sm90", lambda device: hopper)
+    monkeypatch.setattr(cpart, "choose_block_m", lambda *a, **kw: wide.append(kw["wide"]) or 128)
+    rng = np.random.default_rng(7)
+    _, _, _, bt, lens = forest_inputs(rng, prefix_forest(40, 12, 5), 16, 32, 2, 64, torch.float32)
+    cp = pb.plan_cascade(bt, lens, num_q_heads=32, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",
+                         cost=CascadeCost(0, 0, 0, wide_tile_flops=0), node_programs=22)
+    check_partition(cp)
+    assert wide == [not hopper] and ("fused_items" in cp.views) == hopper
+    nw = cp.views["node_work"].numpy()
+    if not hopper:
+        assert cp.views["node_prog_ptr"].tolist() == cut_pieces(np.array([3]), 22, np.array([10]))[2].tolist()
+        return
+    check_fused(cp)
+    assert cp.num_node_pieces == 20
+    assert cp.views["node_prog_ptr"].tolist() == list(range(21)) + [20, 20]
+    rb = nw[:, 2] // 8  # (kv_head, row block) segment order, two pieces each
+    assert nw[:, 1].tolist() == [h for h in range(2) for _ in range(10)]
+    assert rb.tolist() == [r for _ in range(2) for r in range(5) for _ in range(2)]
+    assert nw[:, 4:6].tolist() == [[0, 64], [64, 192]] * 10
+
+
+@pytest.mark.kernel
+def test_lockstep_plan_exact(monkeypatch):
+    """The lockstep pieces (planned as on Hopper) run exactly on the portable kernels."""
+    monkeypatch.setattr(cfused, "use_sm90", lambda device: True)
+    monkeypatch.setattr(cpart, "choose_block_m", lambda *a, **kw: 128)
+    rng = np.random.default_rng(8)
+    q, k, v, bt, lens = forest_inputs(rng, prefix_forest(40, 12, 5), 16, 32, 2, 64, torch.float32)
+    cp = pb.plan_cascade(bt, lens, num_q_heads=32, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",
+                         cost=CascadeCost(0, 0, 0), node_programs=22)
+    assert cp.num_node_pieces == 20 and "fused_items" in cp.views
+    check_exact(q, k, v, bt, lens, cp, torch.float32)
 
 
 @pytest.mark.kernel
@@ -303,7 +380,7 @@ def test_forest_reuse_copies_the_partition_only_when_equal(monkeypatch, seed, ho
     copied, else made anew; either way it equals the one made from scratch (bit for bit). ``hopper``:
     planned as on Hopper with 128-row tiles (fused lists)."""
     if hopper:
-        monkeypatch.setattr(cpart, "use_sm90", lambda device: True)
+        monkeypatch.setattr(cfused, "use_sm90", lambda device: True)
         monkeypatch.setattr(cpart, "choose_block_m", lambda *a, **k: 128)
     rng = np.random.default_rng(6000 + seed)
     bs = [4, 16][seed % 2]

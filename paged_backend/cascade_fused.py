@@ -1,0 +1,74 @@
+"""How the plans the Hopper kernel runs (kernels/cascade_sm90.py) are cut, host numpy: the lists of node
+and tail pieces it runs in one launch (:func:`fused_order`), and their node pieces in lockstep.
+
+Lockstep: stream-K (``plan.cut_pieces``) lays the (node, KV head, row block) segments end to end and
+cuts them into equal runs of the grid, so the pieces of one KV head's row blocks start at offsets
+drifting across the node's keys, and each row block re-reads the keys long after the others: on
+32768/256/256 (8 row blocks of 128 rows a KV head, 16 MB of keys each) ~1 GB moved for a 134 MB prefix.
+Where every node segment is equally long (one shared prefix, or nodes of one length), :func:`lockstep`
+cuts each into ``k`` equal pieces, piece ``i`` the only node piece of program ``i``: the row blocks of a
+(node, KV head) walk the same keys at the same time, and all but the first read them from L2. The
+programs past ``k`` x segments get no node piece (the tails are still cut over all of them). On the H100
+(2026-11-26, ``benchmarks/results/sweeps/cascade_lockstep_h100.log``): 32768/256/256 449-453 us with the
+portable kernel's 256-row tiles -> 336-343 us with the fused 128-row Hopper kernel, 8192/64/256 66.5 ->
+63.8 us, 4096/256/128 99 -> 95.5 us (fewer, equal pieces).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from paged_backend.kernels.dispatch import use_sm90
+
+FUSED_BLOCK_M = 128  # the node tile of the Hopper kernel's fused lists
+LOCKSTEP_FILL = 7 / 8  # lockstep node pieces may leave this much of the node grid without node work
+
+
+def fuses(plan) -> bool:
+    """Whether the plan gets fused lists with 128-row tiles: the Hopper node kernel may run it (node
+    ranges cut at multiples of 64 keys, no window). One launch measured 3-11% faster than the Hopper
+    node kernel then the decode kernel on every shape tried (H100, 2026-11-26, 64-key tiles;
+    ``benchmarks/results/sweeps/cascade_fused_sm90_h100.log``, run 10)."""
+    return not plan.node_block_n % 64 and not plan.window and use_sm90(plan.device)
+
+
+def lockstep(units: np.ndarray, per_node: np.ndarray, grid: int) -> int:
+    """Pieces per node segment when they may run in lockstep, else 0: every node of ``units [K]`` key
+    tiles (``per_node [K]`` segments: KV heads x row blocks) equally long, and ``k`` pieces of each
+    filling at least ``LOCKSTEP_FILL`` of the ``grid``.
+
+    See the module doc; ``k`` is at most the tiles, so no piece is empty."""
+    n_seg = int(per_node.sum())
+    if not units.size or (units != units[0]).any() or n_seg > grid:
+        return 0
+    k = min(grid // n_seg, int(units[0]))
+    return k if k * n_seg >= LOCKSTEP_FILL * grid else 0
+
+
+def lockstep_pieces(units: int, n_seg: int, k: int, grid: int):
+    """``n_seg`` segments of ``units`` each cut into ``k`` pieces, piece ``i`` the only one of program
+    ``i`` (programs ``k * n_seg ..`` get none). -> as :func:`paged_backend.plan.cut_pieces`."""
+    part = np.tile(np.arange(k), n_seg)  # [P] each piece's place in its segment
+    cut_at = (part > 0).nonzero()[0]
+    return (np.arange(n_seg).repeat(k), np.arange(n_seg + 1) * k, np.minimum(np.arange(grid + 1), n_seg * k),
+            cut_at, part[cut_at] * units // k)
+
+
+def fused_order(node_prog: np.ndarray, leaf_prog: np.ndarray, n_node: int):
+    """One list of pieces per node program for a kernel running node and tail pieces together:
+    program ``g`` takes node program ``g``'s pieces and the tail pieces of leaf programs
+    ``ceil(g * GL / G) ..`` (both already balanced). Even programs run their node pieces first, odd
+    ones their tails first, so that while some SMs run the node GEMMs (bound by the tensor cores)
+    others stream tails (bound by memory). ``node_prog [G + 1]``, ``leaf_prog [GL + 1]``: the two
+    kernels' program pointers. -> (items [Pn + Pt]: node piece ``i`` as ``i``, tail piece ``j`` as
+    ``n_node + j``; prog_ptr [G + 1])."""
+    grid, n_leaf = node_prog.size - 1, int(leaf_prog[-1])
+    tail_prog = leaf_prog[-(-np.arange(grid + 1) * (leaf_prog.size - 1) // grid)]  # [G + 1]
+    nn, nt = np.diff(node_prog), np.diff(tail_prog)
+    ptr = np.zeros(grid + 1, dtype=np.int64)
+    np.cumsum(nn + nt, out=ptr[1:])
+    odd = np.arange(grid) % 2 == 1
+    items = np.empty(int(ptr[-1]), dtype=np.int64)
+    items[np.repeat(ptr[:-1] + np.where(odd, nt, 0) - node_prog[:-1], nn) + np.arange(n_node)] = np.arange(n_node)
+    items[np.repeat(ptr[:-1] + np.where(odd, 0, nn) - tail_prog[:-1], nt) + np.arange(n_leaf)] = \
+        n_node + np.arange(n_leaf)
+    return items, ptr
