@@ -49,7 +49,8 @@ class LLM:
     (a request counts its n samples). max_model_len: prompt + output tokens per sequence (default:
     the model's context). max_num_batched_tokens: tokens per step (prefill chunks + decodes).
     cascade: decode samples that share a prompt with ``pb.cascade_decode`` (a shared prefix read
-    once, where its cost model says it pays; a ``CascadeCost`` replaces that model) - False runs
+    once, where its cost model says it pays; a ``CascadeCost`` replaces that model, its
+    ``kv_elem_bytes`` the cache's: 1 with an fp8 cache) - False runs
     every decode flat. seed: the seed of requests that give none. enforce_eager: on a GPU, flat
     decode steps replay CUDA graphs of the model (captured per padded batch size on first use)
     unless this is True. profile: record each step's host and GPU time in ``last_stats.step_log``

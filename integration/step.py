@@ -122,7 +122,8 @@ class StepBuilder:
         self.shape = dict(num_q_heads=num_q_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                           block_size=spec.block_size, device=spec.device)
         self.cascade = cascade
-        self.cascade_cost = cascade_cost
+        # the cost model counts the cache's bytes (an fp8 cache: 1 a value, and no Hopper kernel lists)
+        self.cascade_cost = cascade_cost or CascadeCost(kv_elem_bytes=spec.dtype.itemsize)
         self.windows = tuple(windows)
         self._decode_plans: dict[tuple, pb.DecodePlan] = {}  # (batch size, window) -> plan (kept buffers)
         self._forest: dict = {}                             # window -> the last decode step's cascade plan

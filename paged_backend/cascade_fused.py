@@ -11,7 +11,10 @@ cuts each into ``k`` equal pieces, piece ``i`` the only node piece of program ``
 programs past ``k`` x segments get no node piece (the tails are still cut over all of them). On the H100
 (2026-11-26, ``benchmarks/results/sweeps/cascade_lockstep_h100.log``): 32768/256/256 449-453 us with the
 portable kernel's 256-row tiles -> 336-343 us with the fused 128-row Hopper kernel, 8192/64/256 66.5 ->
-63.8 us, 4096/256/128 99 -> 95.5 us (fewer, equal pieces).
+63.8 us, 4096/256/128 99 -> 95.5 us (fewer, equal pieces). So the planner gives such plans 128-row tiles
+whatever rows their nodes have: with the tails in the same launch, plans of 8-64 rows a node (2-16
+samples: 32768/16/512, 131072/8/1024 and four more) also ran 2-5% faster than on the portable kernels'
+16-64-row tiles, though a consumer warpgroup's 64 rows are then partly empty.
 """
 from __future__ import annotations
 
@@ -23,12 +26,13 @@ FUSED_BLOCK_M = 128  # the node tile of the Hopper kernel's fused lists
 LOCKSTEP_FILL = 7 / 8  # lockstep node pieces may leave this much of the node grid without node work
 
 
-def fuses(plan) -> bool:
+def fuses(plan, kv_elem_bytes: int) -> bool:
     """Whether the plan gets fused lists with 128-row tiles: the Hopper node kernel may run it (node
-    ranges cut at multiples of 64 keys, no window). One launch measured 3-11% faster than the Hopper
+    ranges cut at multiples of 64 keys, no window, caches of 2 bytes a value as the plan's CascadeCost
+    says). One launch measured 3-11% faster than the Hopper
     node kernel then the decode kernel on every shape tried (H100, 2026-11-26, 64-key tiles;
     ``benchmarks/results/sweeps/cascade_fused_sm90_h100.log``, run 10)."""
-    return not plan.node_block_n % 64 and not plan.window and use_sm90(plan.device)
+    return kv_elem_bytes == 2 and not plan.node_block_n % 64 and not plan.window and use_sm90(plan.device)
 
 
 def lockstep(units: np.ndarray, per_node: np.ndarray, grid: int) -> int:

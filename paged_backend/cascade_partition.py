@@ -48,19 +48,18 @@ def choose_block_m(rows: np.ndarray, tokens: np.ndarray, gp: int, head_dim: int,
     return best
 
 
-def partition(plan, group: int, node_programs, leaf_programs, block_table_device, wide_tile_flops: float,
-              forest=None) -> None:
+def partition(plan, group: int, node_programs, leaf_programs, block_table_device, cost, forest=None) -> None:
     """Fills ``plan`` (a CascadePlan with its forest) with the partition and its device views.
-    ``wide_tile_flops``: see CascadeCost. ``forest``: the earlier plan whose nodes ``plan`` reuses;
-    its partition is copied where only the tails' lengths changed (the same tails, one piece each,
-    the same programs)."""
+    ``cost``: the plan's CascadeCost (its ``wide_tile_flops`` and ``kv_elem_bytes``). ``forest``: the
+    earlier plan whose nodes ``plan`` reuses; its partition is copied where only the tails' lengths
+    changed (the same tails, one piece each, the same programs)."""
     sms = num_sms(plan.device)
     gl = leaf_programs or sms * LEAF_PROGRAMS_PER_SM
     if forest is not None and _node_grid(node_programs, sms, forest.block_m) == forest.node_programs \
             and gl == forest.leaf_programs and _same_tails(plan, forest, gl):
         src, h = _copy_partition(plan, forest, block_table_device)
     else:
-        src, h = _new_partition(plan, group, node_programs, gl, sms, block_table_device, wide_tile_flops)
+        src, h = _new_partition(plan, group, node_programs, gl, sms, block_table_device, cost)
     upload(plan, src, h, block_table_device)
     plan.views["node_work"] = plan.views["node_work"].view(-1, NODE_FIELDS)
     plan.views["leaf_work"] = plan.views["leaf_work"].view(-1, LEAF_FIELDS)
@@ -115,7 +114,7 @@ def _copy_partition(plan, forest, block_table_device):
     return src, h
 
 
-def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_table_device, wide_tile_flops):
+def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_table_device, cost):
     """The partition from scratch. -> the staging (tensor, {part: host view})."""
     hkv, d, bsz, nbn, bn = plan.num_kv_heads, plan.head_dim, plan.batch_size, plan.node_block_n, plan.block_n
     ptr, members, lens, shared = plan.node_ptr, plan.node_members, plan.seq_lens_host, plan.tail_start()
@@ -127,16 +126,17 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     # Hopper runs 128-row tiles with the tails in one launch (fused lists: the tails cut over the node
     # programs, which take them whole: fewer, longer pieces; no piece may start inside a page box)
     g128 = _node_grid(node_programs, sms, FUSED_BLOCK_M)
-    fusable = bool(live.size) and gp <= FUSED_BLOCK_M and fuses(plan)
+    fusable = bool(live.size) and gp <= FUSED_BLOCK_M and fuses(plan, cost.kv_elem_bytes)
     if fusable:
         tail_cut = cut_pieces(-(-(lens[live] - shared[live]) // bn), g128, hkv)
         fusable = not (tail_cut[4] * bn % min(plan.block_size, 64)).any()
-    flops = float((sizes * (end - start)).sum()) * group * 4 * d * hkv  # the node GEMMs, unpadded
-    # 256-row tiles halve the K/V bytes of the portable kernel; lockstep 128-row Hopper tiles read them
-    # from HBM once (32768/256/256 on the H100: 449-453 -> 336-343 us)
-    wide = flops >= wide_tile_flops * (node_programs or sms) and not (
-        fusable and lockstep(units, hkv * -(-sizes * gp // FUSED_BLOCK_M), g128))
-    bm = choose_block_m(sizes * gp, end - start, gp, d, wide=wide)
+    # Fused 128-row tiles in lockstep beat the tiles chosen for the portable kernel on every plan measured
+    # (cascade_fused.py): 256-row ones (32768/256/256) and those of 16-64 rows (32768/16/512, 131072/8/1024)
+    if fusable and lockstep(units, hkv * -(-sizes * gp // FUSED_BLOCK_M), g128):
+        bm = FUSED_BLOCK_M
+    else:
+        flops = float((sizes * (end - start)).sum()) * group * 4 * d * hkv  # the node GEMMs, unpadded
+        bm = choose_block_m(sizes * gp, end - start, gp, d, wide=flops >= cost.wide_tile_flops * (node_programs or sms))
     mpb = bm // gp
     gn = _node_grid(node_programs, sms, bm)
     fuse = fusable and bm == FUSED_BLOCK_M

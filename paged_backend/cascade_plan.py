@@ -39,7 +39,9 @@ class CascadeCost:
     by the node pieces, read by the merge) plus ``node_fixed_bytes`` (tile quantisation, the
     extra pieces). It is kept iff ``n >= 2`` and saving > cost; otherwise its tokens fold into its
     children. If the kept nodes save less than ``min_total_bytes`` in all, the plan falls back to
-    flat decode (two fewer launches), so cascade is never slower than flat decode.
+    flat decode (two fewer launches), so cascade is never slower than flat decode. Caches of other
+    than 2 bytes a value (fp8) never get the Hopper kernel's lists (it reads fp16/bf16 caches): their
+    plans keep the portable kernels' tiles.
     ``CascadeCost(0, 0, 0)`` keeps every shared block (tests).
 
     ``wide_tile_flops``: node GEMM FLOPs per node program from which 256-row tiles may be chosen.
@@ -187,7 +189,7 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
         upload(plan, src, h, block_table_device)
         return plan
     # (a window moves the nodes' trimmed starts and the tails' starts: the partition is made anew)
-    partition(plan, group, node_programs, leaf_programs, block_table_device, cost.wide_tile_flops,
+    partition(plan, group, node_programs, leaf_programs, block_table_device, cost,
               forest if forest_rows is None and window is None else None)
     return plan
 

@@ -282,24 +282,25 @@ def prefix_forest(n: int, shared: int, private: int):
 @pytest.mark.parametrize("hopper", [False, True])
 def test_lockstep_plan(monkeypatch, hopper):
     """One shared prefix: 40 requests of group 16 are 5 row blocks of 128 rows per KV head (10 node
-    segments of 3 tiles). As on Hopper (fused lists), 22 node programs take 2 pieces of every segment,
-    piece ``i`` on program ``i``, the row blocks of a KV head on the same keys; wide tiles are not
-    chosen. Elsewhere stream-K cuts them and 256-row tiles are a candidate."""
-    wide = []
+    segments of 3 tiles). As on Hopper (fused lists) the plan takes 128-row tiles whatever the tile
+    choice says, and 22 node programs take 2 pieces of every segment, piece ``i`` on program ``i``, the
+    row blocks of a KV head on the same keys. Elsewhere the choice stands and stream-K cuts."""
+    chosen = []
     monkeypatch.setattr(cfused, "use_sm90", lambda device: hopper)
-    monkeypatch.setattr(cpart, "choose_block_m", lambda *a, **kw: wide.append(kw["wide"]) or 128)
+    monkeypatch.setattr(cpart, "choose_block_m", lambda *a, **kw: chosen.append(kw["wide"]) or 256)
     rng = np.random.default_rng(7)
     _, _, _, bt, lens = forest_inputs(rng, prefix_forest(40, 12, 5), 16, 32, 2, 64, torch.float32)
     cp = pb.plan_cascade(bt, lens, num_q_heads=32, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",
                          cost=CascadeCost(0, 0, 0, wide_tile_flops=0), node_programs=22)
     check_partition(cp)
-    assert wide == [not hopper] and ("fused_items" in cp.views) == hopper
+    assert ("fused_items" in cp.views) == hopper
     nw = cp.views["node_work"].numpy()
     if not hopper:
-        assert cp.views["node_prog_ptr"].tolist() == cut_pieces(np.array([3]), 22, np.array([10]))[2].tolist()
+        assert chosen == [True] and cp.block_m == 256
+        assert cp.views["node_prog_ptr"].tolist() == cut_pieces(np.array([3]), 22, np.array([6]))[2].tolist()
         return
     check_fused(cp)
-    assert cp.num_node_pieces == 20
+    assert chosen == [] and cp.block_m == 128 and cp.num_node_pieces == 20
     assert cp.views["node_prog_ptr"].tolist() == list(range(21)) + [20, 20]
     rb = nw[:, 2] // 8  # (kv_head, row block) segment order, two pieces each
     assert nw[:, 1].tolist() == [h for h in range(2) for _ in range(10)]
@@ -307,11 +308,23 @@ def test_lockstep_plan(monkeypatch, hopper):
     assert nw[:, 4:6].tolist() == [[0, 64], [64, 192]] * 10
 
 
+def test_no_fused_lists_for_fp8_caches(monkeypatch):
+    """A cost model of 1-byte (fp8) caches, which the Hopper kernel does not read: no fused lists, the
+    portable kernels' tile choice and stream-K cuts."""
+    monkeypatch.setattr(cfused, "use_sm90", lambda device: True)
+    rng = np.random.default_rng(7)
+    _, _, _, bt, lens = forest_inputs(rng, prefix_forest(40, 12, 5), 16, 32, 2, 64, torch.float32)
+    cp = pb.plan_cascade(bt, lens, num_q_heads=32, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",
+                         cost=CascadeCost(0, 0, 0, kv_elem_bytes=1), node_programs=22)
+    check_partition(cp)
+    assert "fused_items" not in cp.views and cp.block_m == cpart.choose_block_m(
+        np.array([40 * 16]), cp.node_end - cp.node_start, 16, 64)
+
+
 @pytest.mark.kernel
 def test_lockstep_plan_exact(monkeypatch):
     """The lockstep pieces (planned as on Hopper) run exactly on the portable kernels."""
     monkeypatch.setattr(cfused, "use_sm90", lambda device: True)
-    monkeypatch.setattr(cpart, "choose_block_m", lambda *a, **kw: 128)
     rng = np.random.default_rng(8)
     q, k, v, bt, lens = forest_inputs(rng, prefix_forest(40, 12, 5), 16, 32, 2, 64, torch.float32)
     cp = pb.plan_cascade(bt, lens, num_q_heads=32, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",

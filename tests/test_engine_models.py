@@ -262,6 +262,8 @@ def test_fp8_kv_cache(kv_cache_dtype):
         outs = llm.generate(prompts, SamplingParams(n=2, temperature=0, max_tokens=10), use_tqdm=False)
         assert [[c.token_ids for c in o.outputs] for o in outs] == [[w, w] for w in want]
         assert (llm.last_stats.cascade_steps > 0) == bool(cascade)
+        if not cascade:  # the default cost model counts the fp8 cache's bytes
+            assert llm.builder.cascade_cost.kv_elem_bytes == 1
 
 
 def test_bad_kv_cache_dtype():

@@ -31,6 +31,7 @@ from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
 import paged_backend as pb  # noqa: E402
+from paged_backend.cascade import CascadeCost  # noqa: E402
 from paged_backend.integration.vllm.backend import PagedAttentionBackend  # noqa: E402
 from paged_backend.integration.vllm.impl import PagedAttentionImpl  # noqa: E402
 from paged_backend.kernels.checks import HEAD_DIMS  # noqa: E402
@@ -168,12 +169,18 @@ class Batch:
         assert torch.equal(got_k, self.key[:n].cpu()) and torch.equal(got_v, self.value[:n].cpu())
 
 
+def make_builder(cfg, layers, batch: Batch):
+    """The plug-in's metadata builder for ``layers`` over ``batch``'s cache."""
+    spec = FullAttentionSpec(block_size=batch.bs, num_kv_heads=HKV, head_size=batch.d, dtype=batch.kv_cache.dtype)
+    return PagedAttentionBackend.get_builder_cls()(spec, [layer.layer_name for layer in layers], cfg,
+                                                   torch.device(batch.device))
+
+
 def run_step(cfg, layers, batch: Batch, builder=None):
     """Build the step's metadata once and run every layer through vLLM's forward context."""
-    spec = FullAttentionSpec(block_size=batch.bs, num_kv_heads=HKV, head_size=batch.d, dtype=batch.kv_cache.dtype)
     names = [layer.layer_name for layer in layers]
     if builder is None:
-        builder = PagedAttentionBackend.get_builder_cls()(spec, names, cfg, torch.device(batch.device))
+        builder = make_builder(cfg, layers, batch)
     md = builder.build(common_prefix_len=0, common_attn_metadata=batch.common_metadata())
     outs = []
     for layer in layers:
@@ -316,7 +323,10 @@ def test_fp8_kv_cache(vllm_config, monkeypatch, kind, kv_cache_dtype, device):
         layer._k_scale.fill_(0.5)
         layer._v_scale.fill_(0.5)
         layer.to(device)
-    md, _, (out,) = run_step(vllm_config, layers, batch)
+    builder = make_builder(vllm_config, layers, batch)
+    assert builder.cascade_cost.kv_elem_bytes == 1  # the cost model counts the fp8 cache's bytes
+    builder.cascade_cost = CascadeCost(0, 0, 0, kv_elem_bytes=1)  # keep the prefix (it saves < 8 MB in fp8)
+    md, _, (out,) = run_step(vllm_config, layers, batch, builder)
     assert kind != "shared" or isinstance(md.plans[None], pb.CascadePlan)
     kv = batch.kv_cache.view(fp8).transpose(1, 2)
     sl = batch.slot_mapping[:batch.num_tokens].cpu()

@@ -35,6 +35,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuild
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 import paged_backend as pb
+from paged_backend.cascade import CascadeCost
 
 
 @dataclass
@@ -78,6 +79,8 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         num_q_heads, self.windows = _layer_shape(vllm_config, layer_names)
         self.shape = dict(num_q_heads=num_q_heads, num_kv_heads=kv_cache_spec.num_kv_heads,
                           head_dim=kv_cache_spec.head_size, block_size=kv_cache_spec.block_size, device=device)
+        # the cascade cost model counts the cache's bytes (fp8: 1 a value, and no Hopper kernel lists)
+        self.cascade_cost = CascadeCost(kv_elem_bytes=kv_cache_spec.dtype.itemsize)
         # A cascade plan attends the lengths it was made for (a DecodePlan's kernels clamp by the
         # device lengths): under speculative decoding vLLM's host lengths are only upper bounds.
         self.cascade = os.environ.get("PAGED_BACKEND_CASCADE", "1") != "0" and vllm_config.speculative_config is None
@@ -122,7 +125,8 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         plans = {}
         for w in self.windows:
             if table is not None:
-                cplan = pb.plan_cascade(table, lens, block_table_device=block_table, window=w, **self.shape)
+                cplan = pb.plan_cascade(table, lens, block_table_device=block_table, window=w, cost=self.cascade_cost,
+                                        **self.shape)
                 if not cplan.is_flat:
                     plans[w] = cplan
                     continue
