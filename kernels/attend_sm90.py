@@ -83,46 +83,56 @@ def release_tiles(k_ready, v_ready, k_empty, v_empty, it, n_tiles, STAGES: gl.co
 
 
 @gluon.jit
-def _softmax_tile(s_acc, m_i, l_i, qk_scale, keys, pos, hi, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+def _softmax_tile(s_acc, m_i, l_i, qk_scale, cap, keys, pos, hi, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                  SOFTCAP: gl.constexpr):
     """Online-softmax update of one tile of raw scores ``s_acc [ROWS, BLOCK_N]`` (m, l in the exp2
     domain); ``MASKED``: keys at or past ``hi`` (and, ``CAUSAL``, past the row's position) are masked.
     The row maximum is taken of the raw scores and scaled once, so that each score costs one FMA
-    before its exp2 (scaling every score first measured 4.5-5.4% slower at 240 registers, H100)."""
+    before its exp2 (scaling every score first measured 4.5-5.4% slower at 240 registers, H100).
+    ``SOFTCAP``: scores are soft-capped first, ``cap * tanh(s * qk_scale / cap)`` with the hardware's
+    ``tanh.approx`` as the portable kernels take it for half-precision inputs (``cap = softcap * log2(e)``)."""
     s = s_acc
+    scale = qk_scale
+    if SOFTCAP:  # (the tanh bounds the scores: the max is taken of the capped ones)
+        s = cap * gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [s * (qk_scale / cap)],
+                                            dtype=gl.float32, is_pure=True, pack=1)
+        scale = 1.0
     if MASKED:
         ok = keys[None, :] < hi
         if CAUSAL:
             ok = ok & (keys[None, :] <= pos[:, None])
         s = gl.where(ok, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)  # qk_scale > 0: the max commutes with it
+    m_new = gl.maximum(m_i, gl.max(s, 1) * scale)  # scale > 0: the max commutes with it
     m_use = m_new
     if MASKED:  # a row without keys yet (only with lengths the API rejects) exponentiates against 0
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(s * qk_scale - m_use[:, None])
+    p = gl.exp2(s * scale - m_use[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
 
 
 @gluon.jit
-def _softmax_step(s_acc, m_i, l_i, qk_scale, keys, pos, hi, n_full, j, CAUSAL: gl.constexpr):
+def _softmax_step(s_acc, m_i, l_i, qk_scale, cap, keys, pos, hi, n_full, j, CAUSAL: gl.constexpr,
+                  SOFTCAP: gl.constexpr):
     """Tile ``j``: unmasked below ``n_full`` (every row sees all its keys), masked from there."""
     if j < n_full:
-        p, alpha, m_i, l_i = _softmax_tile(s_acc, m_i, l_i, qk_scale, keys, pos, hi, False, CAUSAL)
+        p, alpha, m_i, l_i = _softmax_tile(s_acc, m_i, l_i, qk_scale, cap, keys, pos, hi, False, CAUSAL, SOFTCAP)
     else:
-        p, alpha, m_i, l_i = _softmax_tile(s_acc, m_i, l_i, qk_scale, keys, pos, hi, True, CAUSAL)
+        p, alpha, m_i, l_i = _softmax_tile(s_acc, m_i, l_i, qk_scale, cap, keys, pos, hi, True, CAUSAL, SOFTCAP)
     return p, alpha, m_i, l_i
 
 
 @gluon.jit
 def attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles, n_full, n0, hi, pos,
-                 qk_scale, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 ZERO_TAIL: gl.constexpr):
+                 qk_scale, cap, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                 ZERO_TAIL: gl.constexpr, SOFTCAP: gl.constexpr):
     """One warpgroup's ``ROWS`` query rows (``q_tile`` in shared memory) over ``n_tiles >= 1`` key
     tiles from key ``n0`` (ring tiles ``it ..``); tiles from ``n_full`` on are masked (keys ``>= hi``;
     ``CAUSAL``: past ``pos [ROWS]``). ``ZERO_TAIL``: the last tile's V rows at or past ``hi`` may
     hold anything (NaN x 0 is NaN) and are zeroed in shared memory first (every consumer writes the
-    same zeros). -> (acc [ROWS, D] fp32, m [ROWS], l [ROWS]) in the exp2 domain.
+    same zeros). ``SOFTCAP``: scores soft-capped (``cap = softcap * log2(e)``; see ``_softmax_tile``).
+    -> (acc [ROWS, D] fp32, m [ROWS], l [ROWS]) in the exp2 domain.
 
     FA-3's intra-warpgroup pipeline: ``S_j = Q K_j^T`` is issued before ``P_{j-1} V_{j-1}``, and the
     softmax of ``S_j`` runs while that GEMM is in flight."""
@@ -140,7 +150,7 @@ def attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it,
     mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
     s_acc = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False)
     mbarrier.arrive(k_empty.index(s), count=1)
-    p, alpha, m_i, l_i = _softmax_step(s_acc, m_i, l_i, qk_scale, n_s, pos, hi, n_full, 0, CAUSAL)
+    p, alpha, m_i, l_i = _softmax_step(s_acc, m_i, l_i, qk_scale, cap, n_s, pos, hi, n_full, 0, CAUSAL, SOFTCAP)
     for j in range(1, n_tiles):
         s = (it + j) % STAGES
         sp = (it + j - 1) % STAGES
@@ -150,7 +160,8 @@ def attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it,
         o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(sp), acc, is_async=True)
         s_acc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))  # wgmma groups complete in order
         mbarrier.arrive(k_empty.index(s), count=1)
-        p, alpha, m_i, l_i = _softmax_step(s_acc, m_i, l_i, qk_scale, n_s + j * BLOCK_N, pos, hi, n_full, j, CAUSAL)
+        p, alpha, m_i, l_i = _softmax_step(s_acc, m_i, l_i, qk_scale, cap, n_s + j * BLOCK_N, pos, hi, n_full, j,
+                                           CAUSAL, SOFTCAP)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
         mbarrier.arrive(v_empty.index(sp), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]

@@ -30,6 +30,7 @@ from triton.experimental.gluon import language as gl
 
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from paged_backend.kernels.attend import LOG2E
 from paged_backend.kernels.attend_sm90 import (ROWS, alloc_rings, attend_tiles, covered, descriptors, finish_state,
                                                io_layout, load_range, load_rows, mma_layout, release_tiles)
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
@@ -84,11 +85,11 @@ def _node_load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_emp
 
 @gluon.jit
 def _node_consumer_partition(rows, pieces, WG: gl.constexpr, GROUP: gl.constexpr, GP: gl.constexpr, D: gl.constexpr,
-                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TAILS: gl.constexpr):
+                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, TAILS: gl.constexpr, SOFTCAP: gl.constexpr):
     """One warpgroup: rows ``WG * ROWS ..`` of each piece (members x ``GP`` heads) -> partial slots;
     a piece without such rows only has its tiles released."""
     (q_ptr, members_ptr, po_ptr, plse_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
-     v_empty, stride_qb, stride_qh, stride_pop, stride_poh, stride_plp, stride_plh, sm_scale) = rows
+     v_empty, stride_qb, stride_qh, stride_pop, stride_poh, stride_plp, stride_plh, sm_scale, cap) = rows
     work_ptr, leaf_ptr, items_ptr, prog_ptr, n_node = pieces
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     loc_io = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout()))
@@ -114,8 +115,8 @@ def _node_consumer_partition(rows, pieces, WG: gl.constexpr, GROUP: gl.constexpr
             req = gl.where(tail, rep.to(gl.int64), req)  # a tail piece's one member: its request
             load_rows(q_tile, q_ptr, req, kvh * GROUP + head, ok, stride_qb, stride_qh, D)
             acc, m_i, l_i = attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles,
-                                         (end - start) // BLOCK_N, start, end, loc_s, qk_scale, D, BLOCK_N, STAGES,
-                                         False, TAILS)
+                                         (end - start) // BLOCK_N, start, end, loc_s, qk_scale, cap, D, BLOCK_N,
+                                         STAGES, False, TAILS, SOFTCAP)
             o, lse = finish_state(acc, m_i, l_i)
             slot = (slot_base + mem).to(gl.int64)
             gl.store(po_ptr + slot[:, None] * stride_pop + head[:, None] * stride_poh + d_io[None, :],
@@ -131,20 +132,20 @@ def _node_consumer_partition(rows, pieces, WG: gl.constexpr, GROUP: gl.constexpr
 @gluon.jit
 def _cascade_node_sm90_kernel(
     q_ptr, k_desc, v_desc, bt_ptr, members_ptr, work_ptr, leaf_ptr, items_ptr, prog_ptr, po_ptr, plse_ptr,
-    sm_scale, n_node, page_rows, head_rows, head_cols, oob_row,
+    sm_scale, cap, n_node, page_rows, head_rows, head_cols, oob_row,
     stride_qb, stride_qh, stride_btb, stride_btn, stride_pop, stride_poh, stride_plp, stride_plh,
     GROUP: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-    PAGE_BOX: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr, TAILS: gl.constexpr,
+    PAGE_BOX: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr, TAILS: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
     if PDL:  # the tails or the merge may launch now: they wait for this grid where they must
         gdc_launch_dependents()
     q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_rings(k_desc, v_desc, D, BLOCK_N, STAGES)
     rows = (q_ptr, members_ptr, po_ptr, plse_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
-            v_empty, stride_qb, stride_qh, stride_pop, stride_poh, stride_plp, stride_plh, sm_scale)
+            v_empty, stride_qb, stride_qh, stride_pop, stride_poh, stride_plp, stride_plh, sm_scale, cap)
     pieces = (work_ptr, leaf_ptr, items_ptr, prog_ptr, n_node)
     gl.warp_specialize([
-        (_node_consumer_partition, (rows, pieces, 0, GROUP, GP, D, BLOCK_N, STAGES, TAILS)),
-        (_node_consumer_partition, (rows, pieces, 1, GROUP, GP, D, BLOCK_N, STAGES, TAILS)),
+        (_node_consumer_partition, (rows, pieces, 0, GROUP, GP, D, BLOCK_N, STAGES, TAILS, SOFTCAP)),
+        (_node_consumer_partition, (rows, pieces, 1, GROUP, GP, D, BLOCK_N, STAGES, TAILS, SOFTCAP)),
         (_node_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pieces,
                                 bt_ptr, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
                                 BS, BLOCK_N, PAGE_BOX, STAGES, TAILS)),
@@ -155,18 +156,18 @@ def node_sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scales) -> dict | None:
     """The Hopper node kernel's settings for a plan's node pieces, or None (the portable node kernel
     runs; the caller checked the device): what ``attend_sm90.covered`` covers, a plan tile of 128
-    rows and node ranges cut at multiples of 64 keys, no window, soft-capping or fp8 scales.
+    rows and node ranges cut at multiples of 64 keys, no window or fp8 scales (soft-capped or not).
 
     Tiles of 64 keys in three stages, where the prefill kernel takes 128 x 2: node pieces are short
     (a few dozen tiles) and tail pieces shorter, and finer stages keep more of them in flight (H100,
     2026-11-26: 8192/64/256 72.1 -> 66.0 us, 4096/256/128 120.2 -> 115.8 us; four stages of 64 and
     the prefill with 64-key tiles were slower; ``results/sweeps/cascade_fused_sm90_h100.log``)."""
-    if softcap or scales[0] is not None or plan.window or plan.block_m != NODE_BLOCK_M or plan.node_block_n % 64:
+    if scales[0] is not None or plan.window or plan.block_m != NODE_BLOCK_M or plan.node_block_n % 64:
         return None
     view = covered(q, k_cache, v_cache)
     if view is None:
         return None
-    return dict(block_n=64, page_box=min(k_cache.shape[1], 64), stages=3, view=view)
+    return dict(block_n=64, page_box=min(k_cache.shape[1], 64), stages=3, view=view, softcap=softcap)
 
 
 def cascade_nodes_sm90(q, k_cache, v_cache, plan, scale: float, cfg: dict, pdl: bool, tails: bool):
@@ -181,9 +182,11 @@ def cascade_nodes_sm90(q, k_cache, v_cache, plan, scale: float, cfg: dict, pdl: 
     grid = (plan.node_programs,)
     items, prog = (v["fused_items"], v["fused_prog_ptr"]) if tails else (v["node_prog_ptr"], v["node_prog_ptr"])
     args = (q, *descriptors(k_cache, v_cache, view, cfg["page_box"], cfg["block_n"]), bt, v["members"],
-            v["node_work"], v["leaf_work"], items, prog, po, plse, scale, plan.num_node_pieces, *view[2:], view[0],
+            v["node_work"], v["leaf_work"], items, prog, po, plse, scale, cfg["softcap"] * LOG2E, plan.num_node_pieces,
+            *view[2:], view[0],
             q.stride(0), q.stride(1), *bt.stride(), po.stride(0), po.stride(1), *plse.stride())
     kw = dict(GROUP=group, GP=1 << max(0, (group - 1).bit_length()), BS=bs, D=d, BLOCK_N=cfg["block_n"],
-              PAGE_BOX=cfg["page_box"], STAGES=cfg["stages"], PDL=pdl, TAILS=tails, num_warps=4)
+              PAGE_BOX=cfg["page_box"], STAGES=cfg["stages"], PDL=pdl, TAILS=tails, SOFTCAP=cfg["softcap"] > 0,
+              num_warps=4)
     bound = launch(_cascade_node_sm90_kernel, grid, *args, **kw)
     return bound and DescriptorRelaunch(bound, 3)

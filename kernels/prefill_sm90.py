@@ -29,6 +29,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from paged_backend.kernels.attend import LOG2E
 from paged_backend.kernels.attend_sm90 import (CONSUMERS, ROWS, alloc_rings, attend_tiles, covered, descriptors,
                                                finish_state, io_layout, load_range, load_rows, mma_layout)
 from paged_backend.kernels.launch import launch, pow2
@@ -59,10 +60,10 @@ def _load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v
 
 @gluon.jit
 def _consumer_partition(rows, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, SINKS: gl.constexpr):
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, SINKS: gl.constexpr, SOFTCAP: gl.constexpr):
     """One warpgroup: rows ``WG * ROWS ..`` of the tile (``ROWS // GROUP`` tokens x ``GROUP`` heads)."""
     (q_ptr, out_ptr, lse_ptr, sinks_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, sm_scale, q_begin, q_len, num_tokens,
+     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, sm_scale, cap, q_begin, q_len, num_tokens,
      t0, off, seq_len, n_tiles, n_full, kvh) = rows
     TOKS: gl.constexpr = ROWS // GROUP
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
@@ -83,7 +84,8 @@ def _consumer_partition(rows, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.const
     t_last = gl.minimum(t0 + CONSUMERS * TOKS, q_len) - 1
     pos = off + gl.minimum(t0 + WG * TOKS + r_s // GROUP, t_last)
     acc, m_i, l_i = attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 0, n_tiles, n_full, 0,
-                                 seq_len, pos, sm_scale * 1.4426950408889634, D, BLOCK_N, STAGES, CAUSAL, True)
+                                 seq_len, pos, sm_scale * 1.4426950408889634, cap, D, BLOCK_N, STAGES, CAUSAL, True,
+                                 SOFTCAP)
     o, lse = finish_state(acc, m_i, l_i)
 
     tok_l = t0 + WG * TOKS + r_s // GROUP
@@ -104,10 +106,10 @@ def _consumer_partition(rows, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.const
 @gluon.jit
 def _prefill_sm90_kernel(
     q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr, sinks_ptr,
-    sm_scale, num_tokens, batch, max_tokens, page_rows, head_rows, head_cols, oob_row,
+    sm_scale, cap, num_tokens, batch, max_tokens, page_rows, head_rows, head_cols, oob_row,
     stride_qt, stride_qh, stride_btb, stride_btn, stride_ot, stride_oh, stride_lt, stride_lh,
     GROUP: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr,
-    STAGES: gl.constexpr, BLOCK_B: gl.constexpr, CAUSAL: gl.constexpr, SINKS: gl.constexpr,
+    STAGES: gl.constexpr, BLOCK_B: gl.constexpr, CAUSAL: gl.constexpr, SINKS: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
     TOK: gl.constexpr = CONSUMERS * ROWS // GROUP  # query tokens per program
     pid = gl.program_id(0)
@@ -136,11 +138,11 @@ def _prefill_sm90_kernel(
         q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_rings(k_desc, v_desc, D, BLOCK_N, STAGES)
 
         rows = (q_ptr, out_ptr, lse_ptr, sinks_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, sm_scale, q_begin, q_len, num_tokens,
-                t0, off, seq_len, n_tiles, n_full, kvh)
+                stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, sm_scale, cap, q_begin, q_len,
+                num_tokens, t0, off, seq_len, n_tiles, n_full, kvh)
         gl.warp_specialize([
-            (_consumer_partition, (rows, 0, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS)),
-            (_consumer_partition, (rows, 1, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS)),
+            (_consumer_partition, (rows, 0, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS, SOFTCAP)),
+            (_consumer_partition, (rows, 1, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS, SOFTCAP)),
             (_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, bt_row_ptr,
                                stride_btn, seq_len, n_tiles, kvh, page_rows, head_rows, head_cols, oob_row,
                                BS, BLOCK_N, PAGE_BOX, STAGES)),
@@ -151,14 +153,14 @@ def sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
                 scales) -> dict | None:
     """The Hopper kernel's settings for this call, or None when it does not cover it and the
     portable kernel runs (the caller checked the device: ``dispatch.use_sm90``). Covered: what
-    :func:`attend_sm90.covered` covers, without soft-capping, window or fp8 scales."""
-    if softcap or window or scales[0] is not None:
+    :func:`attend_sm90.covered` covers, soft-capped or not, without window or fp8 scales."""
+    if window or scales[0] is not None:
         return None
     view = covered(q, k_cache, v_cache)
     if view is None:
         return None
     block_n = 128
-    return dict(block_n=block_n, page_box=min(k_cache.shape[1], block_n), stages=2, view=view)
+    return dict(block_n=block_n, page_box=min(k_cache.shape[1], block_n), stages=2, view=view, softcap=softcap)
 
 
 def prefill_sm90(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale: float, causal: bool, out, lse,
@@ -175,8 +177,8 @@ def prefill_sm90(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sc
         _prefill_sm90_kernel, grid,
         q, *descriptors(k_cache, v_cache, view, cfg["page_box"], cfg["block_n"]), block_table, seq_lens,
         query_start_loc, out, lse, lse if sinks is None else sinks,
-        scale, t, batch, block_table.shape[1] * bs, *view[2:], view[0],
+        scale, cfg["softcap"] * LOG2E, t, batch, block_table.shape[1] * bs, *view[2:], view[0],
         q.stride(0), q.stride(1), *block_table.stride(), out.stride(0), out.stride(1), *lse.stride(),
         GROUP=group, BS=bs, D=d, BLOCK_N=cfg["block_n"], PAGE_BOX=cfg["page_box"], STAGES=cfg["stages"],
-        BLOCK_B=block_b, CAUSAL=bool(causal), SINKS=sinks is not None, num_warps=4,
+        BLOCK_B=block_b, CAUSAL=bool(causal), SINKS=sinks is not None, SOFTCAP=cfg["softcap"] > 0, num_warps=4,
     )

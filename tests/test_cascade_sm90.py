@@ -101,17 +101,35 @@ def test_cut_pieces_deterministic_and_poisoned():
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 
-def test_fused_plan_with_softcap_runs_portable():
-    """A plan with fused lists whose call the Hopper kernel does not cover (soft-capping): the portable
-    node kernel and the decode kernel run it, the tails on the decode programs' runs of the pieces
-    cut over the node programs."""
+def fused_plan(table, lens, bt):
+    """``plan_cascade`` of bench_cascade's shape (Hq 32, Hkv 8, D 128, pages of 16), every shared block kept."""
+    return pb.plan_cascade(table, lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda",
+                           cost=KEEP_ALL, block_table_device=bt)
+
+
+@pytest.mark.parametrize("softcap", [30.0, 2.0])
+def test_softcap(softcap):
+    """Soft-capped scores (Gemma 2): the Hopper kernel runs node and tail pieces, capping each score
+    with ``tanh.approx`` as the portable kernels do for half-precision inputs."""
     q, k, v, table, lens = groups_inputs([2000], 32, 300, 32, 8, 128, 16, torch.bfloat16)
     bt, sl = torch.from_numpy(table).cuda(), torch.from_numpy(lens.astype(np.int32)).cuda()
-    cplan = pb.plan_cascade(table, lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda",
-                            cost=KEEP_ALL, block_table_device=bt)
-    assert "fused_items" in cplan.views and cascade_node_kernel_name(q, k, v, cplan, softcap=30.0) == "portable"
-    out, lse = pb.cascade_decode(q, k, v, cplan, softcap=30.0)
-    ref_o, ref_l = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu(), softcap=30.0)
+    cplan = fused_plan(table, lens, bt)
+    assert "fused_items" in cplan.views and cascade_node_kernel_name(q, k, v, cplan, softcap=softcap) == "sm90+tails"
+    out, lse = pb.cascade_decode(q, k, v, cplan, softcap=softcap)
+    ref_o, ref_l = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu(), softcap=softcap)
+    assert_close_state(out, lse, ref_o, ref_l, q.dtype)
+
+
+def test_fused_plan_uncovered_call_runs_portable():
+    """A plan with fused lists whose call the Hopper kernel does not cover (fp32: it reads fp16/bf16
+    caches): the portable node kernel and the decode kernel run it, the tails on the decode programs'
+    runs of the pieces cut over the node programs."""
+    q, k, v, table, lens = groups_inputs([2000], 32, 300, 32, 8, 128, 16, torch.float32)
+    bt, sl = torch.from_numpy(table).cuda(), torch.from_numpy(lens.astype(np.int32)).cuda()
+    cplan = fused_plan(table, lens, bt)
+    assert "fused_items" in cplan.views and cascade_node_kernel_name(q, k, v, cplan) == "portable"
+    out, lse = pb.cascade_decode(q, k, v, cplan)
+    ref_o, ref_l = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu())
     assert_close_state(out, lse, ref_o, ref_l, q.dtype)
 
 

@@ -14,7 +14,7 @@ import paged_backend as pb
 from paged_backend.kernels.dispatch import SM90_TRITON, triton_release
 from paged_backend.prefill import prefill_kernel_name
 from tests.paged_inputs import pad_table, poison_outside
-from tests.reference import assert_close_state
+from tests.reference import assert_close_state, prefill_reference
 from tests.test_prefill import device_reference, make_prefill_inputs
 
 BF16, F16 = torch.bfloat16, torch.float16
@@ -81,6 +81,18 @@ def test_sinks():
     assert_close_state(out, lse, ref_o * torch.exp(ref_lse - total)[..., None], total, BF16)
 
 
+@pytest.mark.parametrize("softcap", [30.0, 2.0])
+def test_softcap(softcap):
+    """Soft-capped scores (Gemma 2), capped with ``tanh.approx`` as the portable kernels do for
+    half-precision inputs."""
+    inputs = make_prefill_inputs([200, 3], [500, 90], 32, 8, 128, 16, BF16, device="cuda")
+    q, k, v, bt, sl, qsl = inputs
+    assert prefill_kernel_name(q, k, v, softcap=softcap) == "sm90"
+    out, lse = pb.paged_prefill(q, k, v, bt, sl, qsl, causal=True, softcap=softcap, return_lse=True)
+    ref_o, ref_lse = prefill_reference(*(t.cpu() for t in inputs), causal=True, softcap=softcap)
+    assert_close_state(out, lse, ref_o, ref_lse, BF16)
+
+
 def test_bitwise_deterministic_and_matches_portable():
     inputs = make_prefill_inputs([2048, 100], [4096, 333], 32, 8, 128, 16, BF16, device="cuda")
     first = run_sm90(inputs)
@@ -97,7 +109,6 @@ def test_bitwise_deterministic_and_matches_portable():
 
 def test_uncovered_calls_fall_back():
     q, k, v, bt, sl, qsl = make_prefill_inputs([64], [64], 32, 8, 128, 16, BF16, device="cuda")
-    assert prefill_kernel_name(q, k, v, softcap=30.0) == "portable"
     assert prefill_kernel_name(q, k, v, window=16) == "portable"
     assert prefill_kernel_name(q, k.float(), v.float()) == "portable"  # q and cache dtypes differ
     q8, k8, v8, *_ = make_prefill_inputs([64], [64], 32, 8, 128, 8, BF16, device="cuda")
