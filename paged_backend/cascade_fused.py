@@ -27,12 +27,15 @@ LOCKSTEP_FILL = 7 / 8  # lockstep node pieces may leave this much of the node gr
 
 
 def fuses(plan, kv_elem_bytes: int) -> bool:
-    """Whether the plan gets fused lists with 128-row tiles: the Hopper node kernel may run it (node
-    ranges cut at multiples of 64 keys, no window, caches of 2 bytes a value as the plan's CascadeCost
-    says). One launch measured 3-11% faster than the Hopper
-    node kernel then the decode kernel on every shape tried (H100, 2026-11-26, 64-key tiles;
+    """Whether the plan gets fused lists with 128-row tiles: the Hopper node kernel may run its calls
+    (what ``kernels/attend_sm90.covered`` takes that a plan knows: head size 64 or 128, pages of 16+
+    tokens, a power-of-two group up to 64, caches of 2 bytes a value as the plan's CascadeCost says;
+    node ranges cut at multiples of 64 keys, no window). One launch measured 3-11% faster than the
+    Hopper node kernel then the decode kernel on every shape tried (H100, 2026-11-26, 64-key tiles;
     ``benchmarks/results/sweeps/cascade_fused_sm90_h100.log``, run 10)."""
-    return kv_elem_bytes == 2 and not plan.node_block_n % 64 and not plan.window and use_sm90(plan.device)
+    group = plan.num_q_heads // plan.num_kv_heads
+    return (kv_elem_bytes == 2 and plan.head_dim in (64, 128) and plan.block_size >= 16 and group <= 64
+            and not group & (group - 1) and not plan.node_block_n % 64 and not plan.window and use_sm90(plan.device))
 
 
 def lockstep(units: np.ndarray, per_node: np.ndarray, grid: int) -> int:

@@ -308,17 +308,24 @@ def test_lockstep_plan(monkeypatch, hopper):
     assert nw[:, 4:6].tolist() == [[0, 64], [64, 192]] * 10
 
 
-def test_no_fused_lists_for_fp8_caches(monkeypatch):
-    """A cost model of 1-byte (fp8) caches, which the Hopper kernel does not read: no fused lists, the
-    portable kernels' tile choice and stream-K cuts."""
+UNCOVERED = {  # Hq, Hkv, D, page, bytes a cache value (the cost model's)
+    "fp8": (32, 2, 64, 16, 1), "d256": (32, 2, 256, 16, 2), "pages of 8": (32, 2, 64, 8, 2), "group 3": (12, 4, 64, 16, 2)}
+
+
+@pytest.mark.parametrize("what", list(UNCOVERED))
+def test_no_fused_lists_where_the_hopper_kernel_cannot_run(monkeypatch, what):
+    """Plans the Hopper kernel would not run (1-byte caches by the cost model, head size 256, pages of
+    8, a group of 3): no fused lists, the portable kernels' tile choice and stream-K cuts."""
     monkeypatch.setattr(cfused, "use_sm90", lambda device: True)
+    hq, hkv, d, bs, elem = UNCOVERED[what]
     rng = np.random.default_rng(7)
-    _, _, _, bt, lens = forest_inputs(rng, prefix_forest(40, 12, 5), 16, 32, 2, 64, torch.float32)
-    cp = pb.plan_cascade(bt, lens, num_q_heads=32, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",
-                         cost=CascadeCost(0, 0, 0, kv_elem_bytes=1), node_programs=22)
+    _, _, _, bt, lens = forest_inputs(rng, prefix_forest(40, 24 * 16 // bs, 5), bs, hq, hkv, d, torch.float32)
+    cp = pb.plan_cascade(bt, lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device="cpu",
+                         cost=CascadeCost(0, 0, 0, kv_elem_bytes=elem), node_programs=22)
     check_partition(cp)
-    assert "fused_items" not in cp.views and cp.block_m == cpart.choose_block_m(
-        np.array([40 * 16]), cp.node_end - cp.node_start, 16, 64)
+    gp = 1 << (hq // hkv - 1).bit_length()
+    assert "fused_items" not in cp.views
+    assert cp.block_m == cpart.choose_block_m(np.array([40 * gp]), cp.node_end - cp.node_start, gp, d)
 
 
 @pytest.mark.kernel
