@@ -126,13 +126,15 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     # Hopper runs 128-row tiles with the tails in one launch (fused lists: the tails cut over the node
     # programs, which take them whole: fewer, longer pieces; no piece may start inside a page box)
     g128 = _node_grid(node_programs, sms, FUSED_BLOCK_M)
-    fusable = bool(live.size) and gp <= FUSED_BLOCK_M and fuses(plan, cost.kv_elem_bytes)
+    fusable = bool(live.size) and fuses(plan, cost.kv_elem_bytes)
     if fusable:
         tail_cut = cut_pieces(-(-(lens[live] - shared[live]) // bn), g128, hkv)
         fusable = not (tail_cut[4] * bn % min(plan.block_size, 64)).any()
-    # Fused 128-row tiles in lockstep beat the tiles chosen for the portable kernel on every plan measured
-    # (cascade_fused.py): 256-row ones (32768/256/256) and those of 16-64 rows (32768/16/512, 131072/8/1024)
-    if fusable and lockstep(units, hkv * -(-sizes * gp // FUSED_BLOCK_M), g128):
+    # Fused 128-row tiles in lockstep (k pieces a node segment) beat the tiles chosen for the portable
+    # kernel on every plan measured (cascade_fused.py): 256-row ones (32768/256/256) and those of 16-64
+    # rows (32768/16/512, 131072/8/1024)
+    k = lockstep(units, hkv * -(-sizes * gp // FUSED_BLOCK_M), g128) if fusable else 0
+    if k:
         bm = FUSED_BLOCK_M
     else:
         flops = float((sizes * (end - start)).sum()) * group * 4 * d * hkv  # the node GEMMs, unpadded
@@ -149,7 +151,6 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     kvh, rb = np.divmod(np.arange(node.size) - seg0[node], nrb[node])
     mbase = ptr[node] + rb * mpb  # [S] the row block's first membership
     n_in = np.minimum(ptr[node + 1] - mbase, mpb)  # [S] and its members
-    k = lockstep(units, per_node, gn) if fuse else 0
     if k:
         seg, seg_ptr, nprog, cut_at, cut_off = lockstep_pieces(int(units[0]), int(per_node.sum()), k, gn)
     else:
