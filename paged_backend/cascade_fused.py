@@ -13,7 +13,7 @@ programs past ``k`` x segments get no node piece (the tails are still cut over a
 portable kernel's 256-row tiles -> 336-343 us with the fused 128-row Hopper kernel, 8192/64/256 66.5 ->
 63.8 us, 4096/256/128 99 -> 95.5 us (fewer, equal pieces). So the planner gives such plans 128-row tiles
 whatever rows their nodes have: with the tails in the same launch, plans of 8-64 rows a node (2-16
-samples: 32768/16/512, 131072/8/1024 and four more) also ran 2-5% faster than on the portable kernels'
+samples: 32768/16/512, 131072/8/1024 and three more) also ran 2-5% faster than on the portable kernels'
 16-64-row tiles, though a consumer warpgroup's 64 rows are then partly empty.
 """
 from __future__ import annotations
