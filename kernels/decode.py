@@ -118,13 +118,15 @@ def _fold_states_kernel(
     c = tl.program_id(2)
     lo = tl.load(list_ptr + s)  # plan data, written before the previous kernel started
     hi = tl.load(list_ptr + s + 1)
+    offs_p = tl.arange(0, BLOCK_P)
+    if INDIRECT:  # the first BLOCK_P entries' slots: plan data too, loaded before the wait
+        first = tl.load(slots_ptr + lo + offs_p, mask=lo + offs_p < hi, other=0)
     # Launched early (programmatic dependent launch): wait until the states are written. Program
     # (0, 0) always waits, so this grid never completes before the one it follows.
     if PDL:
         if not SKIP_SINGLE or hi - lo > 1 or s + h == 0:
             gdc_wait()
     if not SKIP_SINGLE or hi - lo > 1:
-        offs_p = tl.arange(0, BLOCK_P)
         offs_d = c * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
         m = tl.full([1], float("-inf"), tl.float32)
@@ -134,7 +136,10 @@ def _fold_states_kernel(
             p = p0 + offs_p
             p_ok = p < hi
             if INDIRECT:
-                p = tl.load(slots_ptr + p, mask=p_ok, other=0)
+                if p0 == lo:
+                    p = first
+                else:
+                    p = tl.load(slots_ptr + p, mask=p_ok, other=0)
             p = p.to(tl.int64)
             lse = tl.load(plse_ptr + p * stride_plp + h * stride_plh, mask=p_ok, other=float("-inf"))  # [P]
             o = tl.load(po_ptr + p[:, None] * stride_pop + h * stride_poh + offs_d[None, :] * stride_pod,
