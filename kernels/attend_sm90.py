@@ -24,6 +24,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from paged_backend.kernels.dispatch import sm90_shape
+
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M per warpgroup)
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (registers: 2 x 128 threads at 240)
 
@@ -255,8 +257,7 @@ def covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
         return None
     hq, d = q.shape[-2:]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    group = hq // hkv
-    if d not in (64, 128) or q.stride(-1) != 1 or bs < 16 or bs & (bs - 1) or group > ROWS.value or group & (group - 1):
+    if not sm90_shape(d, bs, hq // hkv) or bs & (bs - 1) or q.stride(-1) != 1:
         return None
     views = page_view(k_cache), page_view(v_cache)
     if None in views or views[0] != views[1]:

@@ -52,6 +52,13 @@ def use_sm90(device: torch.device) -> bool:
             and triton_release() in SM90_TRITON and _capability(device) == (9, 0))
 
 
+def sm90_shape(head_dim: int, block_size: int, group: int) -> bool:
+    """The head size, page size and query heads per KV head the Hopper kernels take
+    (kernels/attend_sm90.py ``covered``): head size 64 or 128, pages of 16+ tokens, a power-of-two
+    group of at most 64 (one warpgroup's rows); what a plan knows of them (cascade_fused.fuses)."""
+    return head_dim in (64, 128) and block_size >= 16 and group <= 64 and not group & (group - 1)
+
+
 @lru_cache(maxsize=None)
 def triton_release() -> str:
     """``major.minor`` of the installed Triton."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from paged_backend.kernels.dispatch import use_sm90
+from paged_backend.kernels.dispatch import sm90_shape, use_sm90
 
 FUSED_BLOCK_M = 128  # the node tile of the Hopper kernel's fused lists
 LOCKSTEP_FILL = 7 / 8  # lockstep node pieces may leave this much of the node grid without node work
@@ -33,9 +33,8 @@ def fuses(plan, kv_elem_bytes: int) -> bool:
     node ranges cut at multiples of 64 keys, no window). One launch measured 3-11% faster than the
     Hopper node kernel then the decode kernel on every shape tried (H100, 2026-11-26, 64-key tiles;
     ``benchmarks/results/sweeps/cascade_fused_sm90_h100.log``, run 10)."""
-    group = plan.num_q_heads // plan.num_kv_heads
-    return (kv_elem_bytes == 2 and plan.head_dim in (64, 128) and plan.block_size >= 16 and group <= 64
-            and not group & (group - 1) and not plan.node_block_n % 64 and not plan.window and use_sm90(plan.device))
+    return (kv_elem_bytes == 2 and sm90_shape(plan.head_dim, plan.block_size, plan.num_q_heads // plan.num_kv_heads)
+            and not plan.node_block_n % 64 and not plan.window and use_sm90(plan.device))
 
 
 def lockstep(units: np.ndarray, per_node: np.ndarray, grid: int) -> int:
