@@ -30,6 +30,7 @@ from .outputs import RequestOutput, RunStats
 from .requests import Request, RequestMaker, chat_prompts
 from .sampler import Sampler
 from .samples import SampleBook
+from .split_graphs import SplitGraphs
 from .step import CASCADE, StepBuilder
 
 GRAPH = "graph"  # a decode step replayed from a CUDA graph
@@ -95,11 +96,12 @@ class LLM:
                                    cascade_cost=cascade if isinstance(cascade, CascadeCost) else None,
                                    windows=self.info.windows)
         self.sampler = Sampler(self.info.vocab_size, self.device)
-        self.graphs = self.choice = None
+        self.graphs = self.split = self.choice = None
         if not enforce_eager and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self.model, self.cache, num_q_heads=self.info.num_q_heads,
                                        max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                                        windows=self.info.windows)
+            self.split = SplitGraphs(self.model, max_num_seqs=max_num_seqs, device=self.device)
             self.choice = PathChoice(self.model, spec.bytes_per_block // block_size, self.device)
         self.requests = RequestMaker(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
                                      np.random.default_rng(seed))
@@ -191,6 +193,7 @@ class LLM:
         if batch.is_empty:
             raise RuntimeError("the scheduler made no progress with requests pending (a bug: please report it)")
         t0 = time.perf_counter()
+        captured = self._graphs_made()
         events = _events(self.device) if self.profile else None
         try:
             self.cache.copy_blocks(batch.block_copies)
@@ -214,8 +217,11 @@ class LLM:
         done = sched.postprocess(batch, tokens)
         self.samples.record(batch, tokens, host[1], top)
         dt = time.perf_counter() - t0
-        if kind == CASCADE and self.choice is not None:
-            self.choice.note_cascade(dt)
+        if self.choice is not None and captured == self._graphs_made():  # (a capture is not a step's time)
+            if kind == CASCADE:
+                self.choice.note_cascade(dt)
+            elif kind == GRAPH:
+                self.choice.note_flat(dt, batch)
         if self.profile:
             gpu = attend = None
             if events:
@@ -241,7 +247,8 @@ class LLM:
 
     def _forward(self, batch, timed: bool) -> tuple[str, torch.Tensor]:
         """The model on one step -> (how attention ran: DECODE, CASCADE, PREFILL or GRAPH, logits [R, V]).
-        Flat decode steps replay a CUDA graph where one is available; the rest run eagerly."""
+        On a GPU flat decode steps replay a CUDA graph, and cascade steps the model's graphs cut at
+        attention (:mod:`.split_graphs`); the rest run eagerly."""
         self._attend_events = None
         step = None
         if not batch.num_prefill_tokens and self.graphs is not None:
@@ -255,10 +262,18 @@ class LLM:
             step = self.builder.build(batch)
         if timed and self.device.type == "cuda":
             step.attend_events = self._attend_events = []
+        if step.is_cascade and self.split is not None:  # the model's kernels from graphs, attention eager
+            logits = self.split.run(step, batch)
+            if logits is not None:
+                return CASCADE, logits
         with torch.inference_mode():
             logits = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
                                 logits_to_keep=step.logits_indices, paged_step=step).logits[0]
         return CASCADE if step.is_cascade else step.kind, logits
+
+    def _graphs_made(self) -> int:
+        """CUDA graphs captured so far (flat decode steps, and cascade steps' cut forwards)."""
+        return sum(len(g.graphs) for g in (self.graphs, self.split) if g is not None)
 
     def _detokenize(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -8,13 +8,16 @@ device buffers; each step copies its metadata into them (one host-to-device copy
 plan's buffers with ``plan.update`` and replays. Padding rows have length 0 (attention gives 0),
 slot -1 (nothing is written) and token 0; their logits are dropped.
 
-Cascade steps run eagerly: a ``CascadePlan``'s buffers are sized by its forest (docs/engine.md).
-So on a GPU a decode step whose samples share a prompt runs either flat in a graph (reading the
-shared KV once per sample) or as an eager cascade (reading it once, but paying the eager host time
-of every layer): :class:`PathChoice` takes the cascade when the KV bytes flat decode would read
-take longer at the GPU's copy bandwidth than the eager cascade steps measured so far.
+Cascade steps cannot replay one such graph: a ``CascadePlan``'s buffers and grids are made for its
+step (docs/engine.md). They replay the model's graphs cut at attention instead, each layer's attention
+run eagerly in between (:mod:`.split_graphs`). So on a GPU a decode step whose samples share a prompt
+runs either flat in a graph (reading the shared KV once per sample) or as a cascade (reading it once,
+with a graph launch and an eager attention call a layer): :class:`PathChoice` picks by the steps'
+measured times.
 """
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 import torch
@@ -128,28 +131,49 @@ class DecodeGraphs:
 
 
 class PathChoice:
-    """Eager cascade or flat graph, per decode step (see module doc)."""
+    """Cascade or flat, for each decode step whose rows share blocks.
+
+    The cascade's time is the median of the last :data:`WINDOW` cascade steps; the flat step's, its
+    bytes (the weights and every row's KV at the copy bandwidth) times the median ratio of the flat
+    graph steps' times to their bytes (1 until one ran). The first :data:`PROBES` shared steps take
+    the cascade (to time it). The choice changes path only for a gain over :data:`MARGIN` (a cascade
+    step after flat ones builds its forest anew). Steps that captured a graph are not timed."""
+
+    WINDOW = 7
+    PROBES = 2
+    MARGIN = 1.05
 
     def __init__(self, model, kv_bytes_per_token: int, device: torch.device):
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.kv_bytes_per_token = kv_bytes_per_token
         self.device = device
         self.bandwidth = None  # bytes/s of a device copy, measured on first use
-        self.eager_s = None    # time of an eager cascade step: the least seen, drifting up slowly
-        self.probes = 2        # cascade steps run before deciding (the first compiles its kernels)
+        self.cascade_s = deque(maxlen=self.WINDOW)     # recent cascade steps, seconds
+        self.flat_ratio = deque(maxlen=self.WINDOW)    # recent flat graph steps, time / bytes floor
+        self.last = None  # the path of the last shared step ("cascade" or "flat")
 
     def cascade(self, batch) -> bool:
-        """Whether ``batch`` (decode-only, rows sharing blocks) should try the eager cascade."""
-        if self.probes > 0:
-            return True
-        if self.bandwidth is None:
-            self.bandwidth = _copy_bandwidth(self.device)
-        flat = self.weight_bytes + int(batch.seq_lens.sum()) * self.kv_bytes_per_token
-        return flat / self.bandwidth > self.eager_s
+        """Whether ``batch`` (decode-only, rows sharing blocks) should take the cascade."""
+        if len(self.cascade_s) < self.PROBES:
+            choice = True
+        else:
+            casc = float(np.median(self.cascade_s))
+            flat = self._flat_floor(batch) * (float(np.median(self.flat_ratio)) if self.flat_ratio else 1.0)
+            choice = casc * self.MARGIN < flat if self.last == "flat" else casc < flat * self.MARGIN
+        self.last = "cascade" if choice else "flat"
+        return choice
 
     def note_cascade(self, seconds: float) -> None:
-        self.probes -= 1
-        self.eager_s = seconds if self.eager_s is None else min(seconds, 0.9 * self.eager_s + 0.1 * seconds)
+        self.cascade_s.append(seconds)
+
+    def note_flat(self, seconds: float, batch) -> None:
+        self.flat_ratio.append(seconds / self._flat_floor(batch))
+
+    def _flat_floor(self, batch) -> float:
+        """Seconds a flat step of ``batch`` takes to read its weights and KV at the copy bandwidth."""
+        if self.bandwidth is None:
+            self.bandwidth = _copy_bandwidth(self.device)
+        return (self.weight_bytes + int(batch.seq_lens.sum()) * self.kv_bytes_per_token) / self.bandwidth
 
 
 def _copy_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> float:

@@ -4,6 +4,8 @@ different lengths, forked samples and prefix-cache hits; models needing features
 lacks are refused at load time with the feature named."""
 import copy
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -126,6 +128,26 @@ def test_gpu_decode_graphs_match_eager():
     assert got == want
     kinds = [s["kind"] for s in llm.last_stats.step_log]
     assert kinds.count("graph") >= 15 and set(llm.graphs.graphs) >= {8, 4}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family,dtype", [("qwen3", "float32"), ("qwen3", "bfloat16"), ("gemma2", "bfloat16")])
+def test_gpu_cascade_steps_from_split_graphs_match_eager(family, dtype):
+    """Cascade decode steps replayed from the model's graphs cut at attention, each layer's attention
+    run eagerly in between, give the eager cascade's tokens (8 rows, then 4 padded to 4; Gemma 2:
+    soft-capping and its sliding layers), and the graphs were used."""
+    model = tiny(family, seed=1)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + 50))}, {"prompt_token_ids": list(range(7, 7 + 35))}]
+    params = [SamplingParams(n=4, temperature=0, max_tokens=m) for m in (14, 6)]
+    kw = dict(device="cuda", dtype=dtype, num_blocks=96, cascade=CascadeCost(0, 0, 0))
+    eager = LLM(model, enforce_eager=True, **kw)
+    want = [[c.token_ids for c in o.outputs] for o in eager.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model, **kw)
+    llm.choice.PROBES = 10 ** 9  # every decode step with shared blocks takes the cascade
+    got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert llm.last_stats.cascade_steps >= 10 and set(llm.split.graphs) == {8, 4} and not llm.split.failed
 
 
 def test_cascade_decode_in_the_engine_matches_flat():
@@ -269,3 +291,28 @@ def test_fp8_kv_cache(kv_cache_dtype):
 def test_bad_kv_cache_dtype():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(tiny("llama"), device="cpu", num_blocks=8, kv_cache_dtype="int8")
+
+
+def test_path_choice_times_both_paths_and_holds_its_path():
+    """The cascade/flat choice: the first steps probe the cascade; then the median of recent cascade
+    steps against the flat step's bytes times the flat graph steps' measured ratio to them; a path
+    changes only for a gain over the margin."""
+    from types import SimpleNamespace
+
+    from paged_backend.integration.graphs import PathChoice
+    choice = PathChoice(torch.nn.Linear(1, 1, bias=False), kv_bytes_per_token=1, device=torch.device("cpu"))
+    choice.bandwidth = 1000.0  # bytes/s: a flat step of 10 rows x 100 tokens (+ 4 weight bytes) takes ~1 s
+    batch = SimpleNamespace(seq_lens=np.full(10, 100))
+    assert choice.cascade(batch) and choice.cascade(batch)  # probes
+    for s in (0.9, 3.0, 0.95):  # one slow step (a new forest) does not move the median
+        choice.note_cascade(s)
+    assert choice.cascade(batch)
+    choice.note_cascade(1.02)
+    choice.note_cascade(1.04)  # median 1.02: within the margin of flat's 1.004 s, so the cascade holds
+    assert choice.cascade(batch)
+    choice.note_cascade(1.2)
+    choice.note_cascade(1.2)  # median 1.2: past the margin
+    choice.note_cascade(1.2)
+    assert not choice.cascade(batch)
+    choice.note_flat(1.5, batch)  # flat graph steps measured at 1.5x their bytes: the cascade is faster
+    assert choice.cascade(batch)
