@@ -72,8 +72,8 @@ def plot_e2e(runs: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4.2), squeeze=False)
     for ax, (name, run) in zip(axes[0], sorted(runs.items())):
         (model, res), = run["results"].items()
-        engines = [e for e in ("ours", "ours_flat", "ours_cascade", "ours_flat_eager", "hf_generate",
-                               "hf_generate_batch") if isinstance(res.get(e), dict)]
+        engines = [e for e in ("ours", "ours_cascade_graphs", "ours_flat", "ours_cascade", "ours_flat_eager",
+                               "hf_generate", "hf_generate_batch") if isinstance(res.get(e), dict)]
         vals = [res[e].get("tok_s", 0.0) for e in engines]
         colors = ["#1f77b4" if e.startswith("ours") else "#aaaaaa" for e in engines]
         ax.barh(engines[::-1], vals[::-1], color=colors[::-1])
