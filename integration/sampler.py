@@ -19,33 +19,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-_M32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B9
-
-
-def mix32(x):
-    """murmur3's 32-bit finaliser on uint32 values (numpy uint32 arrays, or int64 tensors holding
-    values in [0, 2^32): products wrap, and only their low 32 bits are kept)."""
-    if isinstance(x, np.ndarray):
-        x = x.astype(np.uint32)
-        x ^= x >> np.uint32(16)
-        x *= np.uint32(0x85EBCA6B)
-        x ^= x >> np.uint32(13)
-        x *= np.uint32(0xC2B2AE35)
-        x ^= x >> np.uint32(16)
-        return x
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _M32
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _M32
-    return x ^ (x >> 16)
-
+from paged_backend.sample import M32, gumbel_argmax, mix32, vocab_hash
 
 def row_keys(seeds: np.ndarray, sample_index: np.ndarray, position: np.ndarray) -> np.ndarray:
     """[S] uint32 noise key of each sample row from its request seed (< 2^64), its index among the
     request's samples and its output position (the index of the token being drawn)."""
     seeds = np.asarray(seeds, np.uint64)
-    k = mix32((seeds & np.uint64(_M32)).astype(np.uint32) ^ mix32((seeds >> np.uint64(32)).astype(np.uint32)))
+    k = mix32((seeds & np.uint64(M32)).astype(np.uint32) ^ mix32((seeds >> np.uint64(32)).astype(np.uint32)))
     k = mix32(k ^ mix32(np.asarray(sample_index, np.uint32) + np.uint32(0x632BE5AB)))
     return mix32(k ^ mix32(np.asarray(position, np.uint32) + np.uint32(0x2545F491)))
 
@@ -77,8 +57,7 @@ class Sampler:
     def __init__(self, vocab_size: int, device):
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        ids = torch.arange(vocab_size, dtype=torch.int64, device=self.device)
-        self._vocab_hash = mix32((ids * _GOLDEN) & _M32)  # [V]
+        self._vocab_hash = vocab_hash(vocab_size, self.device)  # [V]
 
     def __call__(self, logits: torch.Tensor, rows: SampleRows) -> Sampled:
         """logits [S, V] (any float dtype) -> :class:`Sampled`."""
@@ -97,10 +76,7 @@ class Sampler:
             x = logits / temp[:, None]
             x = self._filter(x, rows, dev)
             # Gumbel-max: argmax(x + g) with g = -log(-log(u)), u uniform in (0, 1) from the hash
-            key = torch.from_numpy(rows.key.astype(np.int64)).to(dev)
-            h = mix32(key[:, None] ^ self._vocab_hash[None, :])
-            u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
-            drawn = torch.argmax(x - torch.log(-torch.log(u)), dim=-1)
+            drawn = gumbel_argmax(x, torch.from_numpy(rows.key.astype(np.int64)).to(dev), self._vocab_hash)
             if tokens is None:
                 tokens = drawn
             else:

@@ -1,0 +1,71 @@
+"""Gumbel-max draws with counter-based noise: the engine's sampling primitive.
+
+``gumbel_argmax(x, keys, vocab_hash)`` -> for each row ``s`` of scaled and filtered logits
+``x [S, V]`` fp32, the token ``argmax_v x[s, v] + g[s, v]`` with Gumbel noise
+``g = -log(-log(u))``, ``u = ((h >> 8) + 0.5) / 2^24``, ``h = mix32(keys[s] ^ vocab_hash[v])``.
+The noise is a function of the row's key and the token id only (no generator state), so a draw
+does not depend on the batch it runs in. Ties go to the lowest token id. Triton (one fused pass,
+``kernels/sample.py``) on CUDA tensors and under ``TRITON_INTERPRET=1``; the torch version below
+elsewhere, with the same bits on the GPU (libdevice's ``logf`` is torch's CUDA ``log``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from paged_backend.kernels.checks import check_tensor
+from paged_backend.kernels.dispatch import use_triton
+
+M32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9
+
+
+def mix32(x):
+    """murmur3's 32-bit finaliser on uint32 values (numpy uint32 arrays, or int64 tensors holding
+    values in [0, 2^32): products wrap, and only their low 32 bits are kept)."""
+    if isinstance(x, np.ndarray):
+        x = x.astype(np.uint32)
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(0x85EBCA6B)
+        x ^= x >> np.uint32(13)
+        x *= np.uint32(0xC2B2AE35)
+        x ^= x >> np.uint32(16)
+        return x
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & M32
+    return x ^ (x >> 16)
+
+
+def vocab_hash(vocab_size: int, device) -> torch.Tensor:
+    """[V] int64: each token id's hash, mixed with a row's key for its noise."""
+    ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
+    return mix32((ids * GOLDEN) & M32)
+
+
+def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
+    """x [S, V] fp32 (-inf where filtered), keys [S] int64 in [0, 2^32), vocab_hash [V] int64 (as
+    :func:`vocab_hash` makes it), all on one device -> tokens [S] int64 (see the module doc)."""
+    check_tensor("x", x, ndim=2, dtypes=(torch.float32,))
+    s, v = x.shape
+    check_tensor("keys", keys, ndim=1, dtypes=(torch.int64,), device=x.device)
+    check_tensor("vocab_hash", vocab_hash, ndim=1, dtypes=(torch.int64,), device=x.device)
+    if keys.shape[0] != s or vocab_hash.shape[0] != v:
+        raise ValueError(f"keys must have {s} entries and vocab_hash {v} (x is {tuple(x.shape)}), got "
+                         f"{tuple(keys.shape)} and {tuple(vocab_hash.shape)}")
+    if s == 0 or v == 0:
+        if v == 0 and s:
+            raise ValueError("x must have at least one column (token) to draw from")
+        return torch.zeros(s, dtype=torch.int64, device=x.device)
+    if use_triton(x):
+        from paged_backend.kernels.sample import gumbel_argmax_triton
+        return gumbel_argmax_triton(x.contiguous(), keys, vocab_hash)
+    return gumbel_argmax_torch(x, keys, vocab_hash)
+
+
+def gumbel_argmax_torch(x: torch.Tensor, keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
+    """The same draw with torch ops on [S, V] tensors."""
+    h = mix32(keys[:, None] ^ vocab_hash[None, :])
+    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return torch.argmax(x - torch.log(-torch.log(u)), dim=-1)

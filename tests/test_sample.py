@@ -1,0 +1,68 @@
+"""gumbel_argmax (kernels/sample.py) against its torch version: the same tokens (bitwise on the GPU);
+bad inputs refused with the argument named."""
+import pytest
+import torch
+
+from paged_backend.sample import gumbel_argmax, gumbel_argmax_torch, mix32, vocab_hash
+
+pytestmark = pytest.mark.kernel
+
+
+def _inputs(s, v, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(s, v, generator=g) * 3
+    x[torch.rand(s, v, generator=g) < 0.3] = float("-inf")  # filtered tokens
+    x[:, 0] = 0.0  # every row keeps a token
+    keys = torch.randint(0, 2 ** 32, (s,), generator=g, dtype=torch.int64)
+    return x.to(device), keys.to(device), vocab_hash(v, device)
+
+
+def _values(x, keys, vh):
+    """The torch version's perturbed logits [S, V]."""
+    u = ((mix32(keys[:, None] ^ vh[None, :]) >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return x - torch.log(-torch.log(u))
+
+
+@pytest.mark.parametrize("s,v", [(1, 1), (3, 100), (5, 4099), (2, 8192)])
+def test_draws_match_the_torch_version(s, v):
+    """The same token, except (under the interpreter, whose numpy log may round the last bit
+    otherwise) where the two tokens' values tie within rounding."""
+    x, keys, vh = _inputs(s, v, seed=s * 7 + v)
+    got, want = gumbel_argmax(x, keys, vh), gumbel_argmax_torch(x, keys, vh)
+    val = _values(x, keys, vh)
+    best = val.gather(1, want[:, None])[:, 0]
+    picked = val.gather(1, got[:, None])[:, 0]
+    assert got.dtype == torch.int64 and got.shape == (s,)
+    assert torch.all((got == want) | ((best - picked).abs() <= 1e-5 * best.abs().clamp(min=1.0)))
+
+
+def test_ties_go_to_the_lowest_token_and_filtered_rows_keep_their_token():
+    v = 5000
+    x = torch.full((2, v), float("-inf"))
+    x[0, 3] = x[0, 4100] = 0.0  # row 0: two tokens left; row 1: one
+    x[1, 4500] = 1.0
+    keys = torch.tensor([7, 9], dtype=torch.int64)
+    vh = torch.zeros(v, dtype=torch.int64)  # every token the same noise: row 0's two values tie
+    assert gumbel_argmax(x, keys, vh).tolist() == [3, 4500]
+
+
+def test_bad_inputs_are_named():
+    x, keys, vh = _inputs(2, 10, seed=0)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        gumbel_argmax(x.double(), keys, vh)
+    with pytest.raises(ValueError, match="keys must have 2 entries"):
+        gumbel_argmax(x, keys[:1], vh)
+    with pytest.raises(TypeError, match="vocab_hash must have dtype"):
+        gumbel_argmax(x, keys, vh.int())
+    with pytest.raises(ValueError, match="at least one column"):
+        gumbel_argmax(x[:, :0], keys, vh[:0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_draws_are_the_torch_versions_bits():
+    """64 rows over a 128K vocabulary on the GPU: the fused kernel picks the torch version's tokens."""
+    x, keys, vh = _inputs(64, 128256, seed=3, device="cuda")
+    for t in (1.0, 0.7):
+        xs = x / t
+        assert torch.equal(gumbel_argmax(xs, keys, vh), gumbel_argmax_torch(xs, keys, vh))
