@@ -136,12 +136,13 @@ class PathChoice:
     The cascade's time is the median of the last :data:`WINDOW` cascade steps; the flat step's, its
     bytes (the weights and every row's KV at the copy bandwidth) times the median ratio of the flat
     graph steps' times to their bytes (1 until one ran). The first :data:`PROBES` shared steps take
-    the cascade (to time it). The choice changes path only for a gain over :data:`MARGIN` (a cascade
-    step after flat ones builds its forest anew). Steps that captured a graph are not timed."""
+    the cascade (to time it). The choice changes path only for a gain over :data:`MARGIN`, and the
+    step after a change is not timed (a cascade step after flat ones builds its forest anew); nor
+    are steps that captured a graph."""
 
     WINDOW = 7
     PROBES = 2
-    MARGIN = 1.05
+    MARGIN = 1.1
 
     def __init__(self, model, kv_bytes_per_token: int, device: torch.device):
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -151,6 +152,7 @@ class PathChoice:
         self.cascade_s = deque(maxlen=self.WINDOW)     # recent cascade steps, seconds
         self.flat_ratio = deque(maxlen=self.WINDOW)    # recent flat graph steps, time / bytes floor
         self.last = None  # the path of the last shared step ("cascade" or "flat")
+        self.changed = False  # the last shared step changed path: its time is not noted
 
     def cascade(self, batch) -> bool:
         """Whether ``batch`` (decode-only, rows sharing blocks) should take the cascade."""
@@ -160,14 +162,21 @@ class PathChoice:
             casc = float(np.median(self.cascade_s))
             flat = self._flat_floor(batch) * (float(np.median(self.flat_ratio)) if self.flat_ratio else 1.0)
             choice = casc * self.MARGIN < flat if self.last == "flat" else casc < flat * self.MARGIN
-        self.last = "cascade" if choice else "flat"
+        path = "cascade" if choice else "flat"
+        self.changed, self.last = self.last is not None and path != self.last, path
         return choice
 
     def note_cascade(self, seconds: float) -> None:
-        self.cascade_s.append(seconds)
+        if not self._skip():
+            self.cascade_s.append(seconds)
 
     def note_flat(self, seconds: float, batch) -> None:
-        self.flat_ratio.append(seconds / self._flat_floor(batch))
+        if not self._skip():
+            self.flat_ratio.append(seconds / self._flat_floor(batch))
+
+    def _skip(self) -> bool:
+        skip, self.changed = self.changed, False
+        return skip
 
     def _flat_floor(self, batch) -> float:
         """Seconds a flat step of ``batch`` takes to read its weights and KV at the copy bandwidth."""

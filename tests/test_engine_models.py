@@ -296,7 +296,7 @@ def test_bad_kv_cache_dtype():
 def test_path_choice_times_both_paths_and_holds_its_path():
     """The cascade/flat choice: the first steps probe the cascade; then the median of recent cascade
     steps against the flat step's bytes times the flat graph steps' measured ratio to them; a path
-    changes only for a gain over the margin."""
+    changes only for a gain over the margin, and the step after a change is not timed."""
     from types import SimpleNamespace
 
     from paged_backend.integration.graphs import PathChoice
@@ -304,15 +304,18 @@ def test_path_choice_times_both_paths_and_holds_its_path():
     choice.bandwidth = 1000.0  # bytes/s: a flat step of 10 rows x 100 tokens (+ 4 weight bytes) takes ~1 s
     batch = SimpleNamespace(seq_lens=np.full(10, 100))
     assert choice.cascade(batch) and choice.cascade(batch)  # probes
-    for s in (0.9, 3.0, 0.95):  # one slow step (a new forest) does not move the median
+    for s in (0.9, 3.0, 0.95):  # one slow step does not move the median
         choice.note_cascade(s)
     assert choice.cascade(batch)
-    choice.note_cascade(1.02)
-    choice.note_cascade(1.04)  # median 1.02: within the margin of flat's 1.004 s, so the cascade holds
-    assert choice.cascade(batch)
-    choice.note_cascade(1.2)
-    choice.note_cascade(1.2)  # median 1.2: past the margin
-    choice.note_cascade(1.2)
+    for s in (1.05, 1.06):  # median 1.05: within the margin of flat's 1.004 s, so the cascade holds
+        choice.note_cascade(s)
+        assert choice.cascade(batch)
+    for _ in range(3):  # median 1.2: past the margin
+        choice.note_cascade(1.2)
     assert not choice.cascade(batch)
-    choice.note_flat(1.5, batch)  # flat graph steps measured at 1.5x their bytes: the cascade is faster
+    choice.note_flat(9.0, batch)  # the step after the change: not timed
+    assert not choice.cascade(batch)
+    choice.note_flat(1.5, batch)  # flat graph steps at 1.5x their bytes: the cascade is faster by the margin
     assert choice.cascade(batch)
+    choice.note_cascade(5.0)  # (not timed either)
+    assert list(choice.cascade_s)[-1] == 1.2
