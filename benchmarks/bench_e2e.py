@@ -78,12 +78,16 @@ def run_ours(model, prompt, n, new, kwargs: dict, device) -> dict:
     always = kwargs.pop("always_cascade", False)
     llm = LLM(model, device=device, dtype=torch.bfloat16, max_num_seqs=n, max_model_len=len(prompt) + new + 16,
               profile=True, **kwargs)
-    if always:  # every decode step with shared blocks a cascade (the choice never times its way to flat)
+    if always and llm.choice is not None:  # every shared decode step a cascade (the choice never goes flat)
         llm.choice.PROBES = 2 ** 62
-    warm = SamplingParams(n=n, max_tokens=4, ignore_eos=True, seed=1)  # compiles; captures the n-row graph
-    other = [t + 1 for t in prompt]  # as long as the timed prompt (the same kernels), no prefix-cache hit on it
-    llm.generate([{"prompt_token_ids": other}], warm, use_tqdm=False)  # compiles the kernels
-    llm.generate([{"prompt_token_ids": [t + 2 for t in other]}], warm, use_tqdm=False)
+    # Warm-up on prompts as long as the timed one (no prefix-cache hit on it): the first as long as the
+    # timed run, so every kernel specialisation its growing lengths take is compiled (and every graph
+    # captured) before the clock starts; the second starts from a fresh prompt again.
+    other = [t - 1 for t in prompt]  # (prompt ids are >= 10)
+    llm.generate([{"prompt_token_ids": other}], SamplingParams(n=n, max_tokens=new, ignore_eos=True, seed=1),
+                 use_tqdm=False)
+    llm.generate([{"prompt_token_ids": [t - 1 for t in other]}], SamplingParams(n=n, max_tokens=4, ignore_eos=True,
+                                                                               seed=2), use_tqdm=False)
     _reset(device)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=n, max_tokens=new, ignore_eos=True,
