@@ -1,0 +1,56 @@
+"""The engine's Gumbel-max draw: the fused kernel (``kernels/sample.py``) against the torch ops it
+replaced (``paged_backend.sample.gumbel_argmax_torch``), same inputs, same tokens checked first.
+
+    python3 benchmarks/bench_sample.py [--quick] [--out R.json] [--md R.md]
+
+Rows x vocabulary: 64 x 128256 (Llama 3), 64 x 49152 (SmolLM2), 256 x 128256. us per draw.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+from paged_backend.sample import gumbel_argmax, gumbel_argmax_torch, vocab_hash  # noqa: E402
+
+BENCH = "sample"
+CASES = [(64, 128256), (64, 49152), (256, 128256)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small shapes (CPU smoke run)")
+    p.add_argument("--out", help="results JSON (default benchmarks/results/<gpu>.json; none with --quick)")
+    p.add_argument("--md", help="markdown (default benchmarks/results/<gpu>.md)")
+    a = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows, results = [], {}
+    for s, v in ([(4, 1000)] if a.quick else CASES):
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(s, v, device=device, generator=g)
+        keys = torch.randint(0, 2 ** 32, (s,), device=device, dtype=torch.int64, generator=g)
+        vh = vocab_hash(v, device)
+        if not torch.equal(gumbel_argmax(x, keys, vh), gumbel_argmax_torch(x, keys, vh)):
+            raise SystemExit(f"{s} x {v}: the fused draw picked other tokens than the torch ops")
+        t_torch = C.time_us(lambda: gumbel_argmax_torch(x, keys, vh), device)
+        t_fused = C.time_us(lambda: gumbel_argmax(x, keys, vh), device)
+        rows.append([f"{s} x {v}", f"{t_torch:.1f}", f"{t_fused:.1f}", f"{t_torch / t_fused:.1f}x"])
+        results[f"{s}x{v}"] = dict(torch_us=t_torch, fused_us=t_fused, same_tokens=True)
+    print(C.gpu_name(device) if device.type == "cuda" else "cpu (both are torch ops there: a smoke run)")
+    table = C.md_table(["rows x vocabulary", "torch ops (us)", "fused (us)", "speed-up"], rows)
+    print(table)
+    if not a.quick:
+        slug = C.gpu_slug(device)
+        C.write_json(a.out or os.path.join(C.ROOT, "benchmarks", "results", f"{slug}.json"), BENCH,
+                     {"when": C.now(), "gpu": C.gpu_name(device), "versions": C.versions(), "cases": results})
+        C.write_md_section(a.md or os.path.join(C.ROOT, "benchmarks", "results", f"{slug}.md"), BENCH,
+                           f"## Sampling draw ({C.gpu_name(device)}, {C.now()})\n\nus per draw, the same tokens "
+                           f"checked first.\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
