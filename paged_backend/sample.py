@@ -54,10 +54,10 @@ def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor, vocab_hash: torch.Tensor)
     if keys.shape[0] != s or vocab_hash.shape[0] != v:
         raise ValueError(f"keys must have {s} entries and vocab_hash {v} (x is {tuple(x.shape)}), got "
                          f"{tuple(keys.shape)} and {tuple(vocab_hash.shape)}")
-    if s == 0 or v == 0:
-        if v == 0 and s:
-            raise ValueError("x must have at least one column (token) to draw from")
-        return torch.zeros(s, dtype=torch.int64, device=x.device)
+    if v == 0 and s:
+        raise ValueError("x must have at least one column (token) to draw from")
+    if s == 0:
+        return torch.zeros(0, dtype=torch.int64, device=x.device)
     if use_triton(x):
         from paged_backend.kernels.sample import gumbel_argmax_triton
         return gumbel_argmax_triton(x.contiguous(), keys, vocab_hash)
