@@ -1,9 +1,11 @@
 """Batched token sampling on the device: one call per step for every sample row, no Python loop
 over sequences.
 
-Per row: greedy (temperature 0: argmax of the raw logits) or, for temperature > 0, logits / T,
-then top-k, then top-p over what top-k left, then min-p (relative to the most likely token), then
-one draw. Draws use the Gumbel-max trick with noise from a counter-based hash of (request seed,
+Per row: greedy (temperature 0: argmax of the raw logits) or, for temperature > 0, vLLM v1's
+definitions in vLLM's order: logits / T; min-p (drop tokens with p < min_p * p_max); top-k (keep
+every token whose logit is >= the k-th largest: tokens tied with the k-th all stay); top-p over
+what is left, renormalised (keep a token while the mass of the tokens strictly more likely than it
+is < top_p: tied tokens stay or go together, and the most likely token always stays); one draw. Draws use the Gumbel-max trick with noise from a counter-based hash of (request seed,
 sample index, output position, token id) instead of a stateful generator: a sample depends only
 on its own seed, logits and position - not on the batch it runs in, nor on preemption - and a
 seeded request is reproducible without a generator object per request.
@@ -90,24 +92,29 @@ class Sampler:
 
     @staticmethod
     def _filter(x: torch.Tensor, rows: SampleRows, dev) -> torch.Tensor:
-        """top-k, then top-p, then min-p, as -inf; rows with all three off are left alone."""
+        """x [S, V] -> x with min-p, top-k and top-p (in that order) applied as -inf; rows with all
+        three off are left alone."""
         v = x.shape[1]
-        use_k = (rows.top_k > 0) & (rows.top_k < v)
-        use_p = rows.top_p < 1.0
-        if use_k.any() or use_p.any():
-            srt, idx = torch.sort(x, dim=-1, descending=True)
-            rank = torch.arange(v, device=dev)[None, :]
-            k = torch.from_numpy(np.where(use_k, rows.top_k, v).astype(np.int64)).to(dev)
-            drop = rank >= k[:, None]  # [S, V] in sorted order
-            if use_p.any():
-                p = torch.softmax(srt.masked_fill(drop, float("-inf")), dim=-1)
-                before = torch.cumsum(p, dim=-1) - p  # mass of the more likely tokens
-                top_p = torch.from_numpy(rows.top_p.astype(np.float32)).to(dev)
-                drop |= before >= top_p[:, None]  # the most likely token always stays (before = 0)
-            x = x.scatter(1, idx, srt.masked_fill(drop, float("-inf")))
         if (rows.min_p > 0).any():
             min_p = torch.from_numpy(rows.min_p.astype(np.float32)).to(dev)
             # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p)
             floor = x.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
             x = x.masked_fill(x < floor, float("-inf"))
-        return x
+        use_k = (rows.top_k > 0) & (rows.top_k < v)
+        use_p = rows.top_p < 1.0
+        if not (use_k.any() or use_p.any()):
+            return x
+        srt, idx = torch.sort(x, dim=-1, descending=True)  # [S, V]
+        k = torch.from_numpy(np.where(use_k, rows.top_k, v).astype(np.int64)).to(dev)
+        drop = srt < srt.gather(1, k[:, None] - 1)  # below the k-th largest (ties with it stay)
+        if use_p.any():
+            p = torch.softmax(srt.masked_fill(drop, float("-inf")), dim=-1)
+            before = torch.cumsum(p, dim=-1) - p  # mass of the tokens sorted ahead
+            # a tie group takes the mass ahead of its first member: strictly more likely tokens only
+            rank = torch.arange(v, device=dev).expand_as(srt)
+            starts = torch.ones_like(drop)
+            starts[:, 1:] = srt[:, 1:] != srt[:, :-1]
+            first = torch.cummax(torch.where(starts, rank, 0), dim=-1).values
+            top_p = torch.from_numpy(np.where(use_p, rows.top_p, np.inf).astype(np.float32)).to(dev)
+            drop |= before.gather(1, first) >= top_p[:, None]  # the most likely tokens have 0 ahead
+        return x.scatter(1, idx, srt.masked_fill(drop, float("-inf")))

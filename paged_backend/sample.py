@@ -2,9 +2,12 @@
 
 ``gumbel_argmax(x, keys, vocab_hash)`` -> for each row ``s`` of scaled and filtered logits
 ``x [S, V]`` fp32, the token ``argmax_v x[s, v] + g[s, v]`` with Gumbel noise
-``g = -log(-log(u))``, ``u = ((h >> 8) + 0.5) / 2^24``, ``h = mix32(keys[s] ^ vocab_hash[v])``.
+``g = -log(-log(u))``, ``u = ((h >> 9) + 0.5) / 2^23``, ``h = mix32(keys[s] ^ vocab_hash[v])``.
 The noise is a function of the row's key and the token id only (no generator state), so a draw
-does not depend on the batch it runs in. Ties go to the lowest token id. Triton (one fused pass,
+does not depend on the batch it runs in. ``u`` takes 2^23 equally likely values, each exact in
+fp32 and strictly inside (0, 1), so the noise is finite: with 24 bits the last bucket's
+``2^24 - 0.5`` rounds to ``2^24``, ``u`` to 1 and the noise to +inf, and that token won whatever
+its logit (a filtered token too: ``-inf + inf`` is NaN, which ``argmax`` picks). Ties go to the lowest token id. Triton (one fused pass,
 ``kernels/sample.py``) on CUDA tensors and under ``TRITON_INTERPRET=1``; the torch version below
 elsewhere, with the same bits on the GPU (libdevice's ``logf`` is torch's CUDA ``log``).
 """
@@ -67,5 +70,5 @@ def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor, vocab_hash: torch.Tensor)
 def gumbel_argmax_torch(x: torch.Tensor, keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
     """The same draw with torch ops on [S, V] tensors."""
     h = mix32(keys[:, None] ^ vocab_hash[None, :])
-    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    u = ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))  # exact in fp32, in [2^-24, 1 - 2^-24]
     return torch.argmax(x - torch.log(-torch.log(u)), dim=-1)

@@ -1,9 +1,10 @@
 """gumbel_argmax (kernels/sample.py) against its torch version: the same tokens (bitwise on the GPU);
-bad inputs refused with the argument named."""
+the noise finite for every hash (keys crafted to hit the last bucket); bad inputs refused with the
+argument named."""
 import pytest
 import torch
 
-from paged_backend.sample import gumbel_argmax, gumbel_argmax_torch, mix32, vocab_hash
+from paged_backend.sample import M32, gumbel_argmax, gumbel_argmax_torch, mix32, vocab_hash
 
 pytestmark = pytest.mark.kernel
 
@@ -19,8 +20,48 @@ def _inputs(s, v, seed, device="cpu"):
 
 def _values(x, keys, vh):
     """The torch version's perturbed logits [S, V]."""
-    u = ((mix32(keys[:, None] ^ vh[None, :]) >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    u = ((mix32(keys[:, None] ^ vh[None, :]) >> 9).float() + 0.5) * (1.0 / (1 << 23))
     return x - torch.log(-torch.log(u))
+
+
+def unmix32(h: int) -> int:
+    """The inverse of mix32 on one uint32: the input whose hash is ``h``."""
+    h ^= h >> 16
+    h = (h * pow(0xC2B2AE35, -1, 1 << 32)) & M32
+    h ^= (h >> 13) ^ (h >> 26)
+    h = (h * pow(0x85EBCA6B, -1, 1 << 32)) & M32
+    return h ^ (h >> 16)
+
+
+def key_hitting(h: int, token: int, vh: torch.Tensor) -> int:
+    """A row key whose hash for ``token`` is ``h``."""
+    return unmix32(h) ^ int(vh[token])
+
+
+def _last_bucket_draws(device):
+    """Rows whose key puts one token's hash at 0xFFFFFFFF (the largest u): that token must not win
+    unless its logit does. Row 0: token 0 the only real candidate (others at -40), the hit on 37;
+    row 1: token 37 filtered (-inf), the others equal; row 2: the hit on the kept token 5 of a row
+    where only 5 and 9 are left."""
+    v = 64
+    vh = vocab_hash(v, device)
+    x = torch.full((3, v), -40.0)
+    x[0, 0] = 0.0
+    x[1] = 0.0
+    x[1, 37] = float("-inf")
+    x[2] = float("-inf")
+    x[2, 5] = x[2, 9] = 0.0
+    keys = torch.tensor([key_hitting(M32, 37, vh), key_hitting(M32, 37, vh), key_hitting(M32, 5, vh)],
+                        dtype=torch.int64, device=device)
+    hits = mix32(keys[:, None] ^ vh[None, [37, 37, 5]]).diagonal()
+    assert hits.tolist() == [M32] * 3  # the crafted keys reach the last bucket
+    assert torch.isfinite(_values(torch.zeros(3, v, device=device), keys, vh)).all()
+    return gumbel_argmax(x.to(device), keys, vh).tolist()
+
+
+def test_the_last_bucket_gives_finite_noise():
+    got = _last_bucket_draws("cpu")
+    assert got[0] == 0 and got[1] != 37 and got[2] == 5
 
 
 @pytest.mark.parametrize("s,v", [(1, 1), (3, 100), (5, 4099), (2, 8192)])
@@ -56,6 +97,13 @@ def test_bad_inputs_are_named():
         gumbel_argmax(x, keys, vh.int())
     with pytest.raises(ValueError, match="at least one column"):
         gumbel_argmax(x[:, :0], keys, vh[:0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_the_last_bucket_gives_finite_noise():
+    got = _last_bucket_draws("cuda")
+    assert got[0] == 0 and got[1] != 37 and got[2] == 5
 
 
 @pytest.mark.gpu

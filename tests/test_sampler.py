@@ -1,5 +1,7 @@
 """The engine's batched sampler: greedy, filters (top-k, top-p, min-p) against a plain reference,
 draws distributed as softmax(logits / T), and samples that depend on (seed, index, position) only."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -15,21 +17,47 @@ def rows(s, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, keys=None, num_logp
                       else keys, num_logprobs)
 
 
+def exact_probs(logits, t, k, p, mp):
+    """[V] float64: the probability of each token under the documented rule (vLLM v1's), by plain
+    Python on the sampler's fp32 ``logits / t``: min-p, then top-k (ties with the k-th stay), then
+    top-p over what is left (a token stays while the mass strictly more likely than it is < p)."""
+    x = (logits.float() / t).double().tolist()
+    m = max(x)
+    keep = [i for i, a in enumerate(x) if math.exp(a - m) >= mp]  # p_i >= min_p * p_max
+    if 0 < k < len(keep):
+        kth = sorted((x[i] for i in keep), reverse=True)[k - 1]
+        keep = [i for i in keep if x[i] >= kth]
+    if p < 1.0:
+        zk = sum(math.exp(x[i] - m) for i in keep)
+        keep = [i for i in keep if sum(math.exp(x[j] - m) for j in keep if x[j] > x[i]) / zk < p]
+    probs = torch.zeros(len(x), dtype=torch.float64)
+    zk = sum(math.exp(x[i] - m) for i in keep)
+    for i in keep:
+        probs[i] = math.exp(x[i] - m) / zk
+    return probs
+
+
 def allowed_reference(logits, t, k, p, mp):
-    """The set of token ids a row may draw, by sorting in Python."""
-    x = logits.double() / t
-    order = torch.argsort(x, descending=True).tolist()
-    keep = order[:k] if k > 0 else order
-    probs = torch.softmax(x[keep], 0).tolist()
-    out, mass = [], 0.0
-    for tok, pr in zip(keep, probs):
-        if mass >= p:
-            break
-        out.append(tok)
-        mass += pr
-    pmax = torch.softmax(x, 0).max().item()
-    full = torch.softmax(x, 0)
-    return {i for i in out if full[i].item() >= mp * pmax}
+    """The set of token ids a row may draw."""
+    return set(torch.nonzero(exact_probs(logits, t, k, p, mp)).flatten().tolist())
+
+
+def chi_square_pvalue(counts, probs):
+    """Pearson's test of draw counts [V] against exact probabilities [V]; bins expecting < 5 draws
+    are pooled. A draw of a token of probability 0 gives p-value 0."""
+    n = counts.sum()
+    if (counts[probs == 0] > 0).any():
+        return 0.0
+    exp = probs * n
+    small = (exp < 5) & (probs > 0)
+    obs = torch.cat([counts[exp >= 5], counts[small].sum()[None]]).double()
+    exp = torch.cat([exp[exp >= 5], exp[small].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    dof = obs.numel() - 1
+    if dof == 0:
+        return 1.0
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2).item()
 
 
 def test_hash_is_the_same_on_numpy_and_torch_and_looks_uniform():
@@ -39,7 +67,7 @@ def test_hash_is_the_same_on_numpy_and_torch_and_looks_uniform():
     assert np.array_equal(a, b)
     sampler = Sampler(50_000, "cpu")
     h = mix32(torch.tensor([12345])[:, None] ^ sampler._vocab_hash[None, :])[0]
-    u = ((h >> 8).double() + 0.5) / (1 << 24)
+    u = ((h >> 9).double() + 0.5) / (1 << 23)
     assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
     counts = torch.bincount((u * 10).long(), minlength=10).double()
     assert (counts / counts.mean() - 1).abs().max() < 0.05
@@ -75,6 +103,52 @@ def test_filters_keep_exactly_the_reference_set(k, p, mp):
     assert got <= want
     if len(want) <= 8:  # 400 draws hit every allowed token of a small set
         assert got == want
+
+
+_R = torch.randn(32, generator=torch.Generator().manual_seed(5)) * 1.5
+_ISSUE = torch.log(torch.tensor([.48, .22, .16, .09] + [.0025] * 20))  # min-p first keeps 3 of them
+_TIES = torch.tensor([2.0, 1.0, 1.0, 1.0, 0.5] + [0.0] * 11)
+_NEAR = torch.tensor([2.0, 1.0, 1.0 - 2 ** -20, 0.5] + [0.0] * 12)
+_NEAR_P = exact_probs(_NEAR, 1.0, -1, 1.0, 0.0)
+DISTRIBUTIONS = {  # name: (logits, temperature, top_k, top_p, min_p)
+    "T1": (_R, 1.0, -1, 1.0, 0.0),
+    "T0.5": (_R, 0.5, -1, 1.0, 0.0),
+    "T2": (_R, 2.0, -1, 1.0, 0.0),
+    "top_k": (_R, 0.8, 5, 1.0, 0.0),
+    "top_p": (_R, 1.2, -1, 0.6, 0.0),
+    "min_p": (_R, 1.0, -1, 1.0, 0.05),
+    "all_three": (_R, 0.7, 10, 0.8, 0.02),
+    "min_p_before_top_p": (_ISSUE, 1.0, -1, 0.9, 0.1),
+    "top_k_ties": (_TIES, 1.0, 2, 1.0, 0.0),
+    "top_p_ties": (_TIES, 1.0, -1, 0.4, 0.0),
+    "top_k_near_ties": (_NEAR, 1.0, 2, 1.0, 0.0),
+    "top_p_near_ties": (_NEAR, 1.0, -1, (_NEAR_P[0] + _NEAR_P[1] / 2).item(), 0.0),
+    "top_k_1": (_R, 1.0, 1, 1.0, 0.0),
+}
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("name", list(DISTRIBUTIONS))
+def test_draws_follow_the_exact_distribution(name):
+    """20,000 draws (one row each, distinct keys) against the rule's exact probabilities: no token
+    outside the kept set, and Pearson's chi-square p-value > 1e-4."""
+    logits, t, k, p, mp = DISTRIBUTIONS[name]
+    v, n = logits.numel(), 20_000
+    keys = row_keys(np.full(n, 7), np.arange(n), np.zeros(n))
+    out = Sampler(v, "cpu")(logits.expand(n, v), rows(n, t, k, p, mp, keys=keys))
+    counts = torch.bincount(out.tokens, minlength=v).double()
+    probs = exact_probs(logits, t, k, p, mp)
+    pval = chi_square_pvalue(counts, probs)
+    assert pval > 1e-4, (name, pval, counts.tolist(), (probs * n).tolist())
+
+
+def test_the_rule_keeps_what_vllm_keeps():
+    """The cases of the rule by hand: min-p before top-p, ties with the k-th, tied tokens at top-p."""
+    assert allowed_reference(*DISTRIBUTIONS["min_p_before_top_p"][:1], 1.0, -1, 0.9, 0.1) == {0, 1, 2}
+    assert allowed_reference(_TIES, 1.0, 2, 1.0, 0.0) == {0, 1, 2, 3}
+    assert allowed_reference(_TIES, 1.0, -1, 0.4, 0.0) == {0, 1, 2, 3}
+    assert allowed_reference(_NEAR, 1.0, 2, 1.0, 0.0) == {0, 1}
+    assert allowed_reference(*DISTRIBUTIONS["top_p_near_ties"][:4], 0.0) == {0, 1}
 
 
 def test_draws_follow_softmax_of_logits_over_temperature():
