@@ -10,6 +10,7 @@ import torch
 
 import paged_backend as pb
 from paged_backend.cascade_plan import CascadeCost
+from paged_backend.kernels.dispatch import INTERPRET
 from tests.paged_inputs import make_block_table
 from tests.reference import assert_close_state, decode_reference, prefill_reference
 
@@ -104,6 +105,90 @@ def test_write_kv_quantizes_and_saturates(device, kv_dtype, src_dtype):
         assert torch.equal(k[0, slot].float(), want_k.float()) and torch.equal(v[0, slot].float(), want_v.float())
     assert torch.isfinite(k.float()).all()
     assert not k[0, 1:5].float().any()  # untouched slots (and slot -1: skipped)
+
+
+def _rounding_cases(kv_dtype) -> dict:
+    """fp32 values of ``x / scale`` around every finite code of the format, by case: -> {case:
+    (targets, want)}, ``want`` the value round-to-nearest-even with saturation gives; both signs."""
+    v = torch.arange(128, dtype=torch.uint8).view(kv_dtype).float()
+    v = v[torch.isfinite(v)]  # the non-negative finite values, ascending (index = bit pattern)
+    top, tiny = torch.finfo(kv_dtype).max, torch.finfo(kv_dtype).tiny  # largest finite, smallest normal
+    a, b = v[:-1], v[1:]  # neighbouring codes
+    mid = (a + b) / 2
+    even = torch.where(torch.arange(len(a)) % 2 == 0, a, b)  # where a tie goes
+    down = torch.stack([torch.nextafter(a, b), (a + mid) / 2, torch.nextafter(mid, a)])  # round to a
+    up = torch.stack([torch.nextafter(mid, b), (mid + b) / 2, torch.nextafter(b, a)])  # round to b
+    normal = a >= tiny
+    carry = normal & (torch.frexp(b).mantissa == 0.5)  # b a power of two: the round-up carries into the exponent
+    sub = ~normal
+    inf = torch.tensor(float("inf"))
+    step = top - v[-2]
+    cases = {
+        "exact": (v, v),  # zero too (and -0.0 below)
+        "down": (down[:, normal], a[normal].expand(3, -1)),
+        "up": (up[:, normal & ~carry], b[normal & ~carry].expand(3, -1)),
+        "carry": (up[:, carry], b[carry].expand(3, -1)),  # e4m3fn: 1.98 -> 2, 15.9 -> 16, 0.49 -> 0.5
+        "tie": (mid[normal], even[normal]),
+        "subnormal": (torch.cat([down[:, sub].flatten(), mid[sub], up[:, sub].flatten(),
+                                 torch.tensor([1e-30, v[1] / 4])]),  # these two round to zero
+                      torch.cat([a[sub].repeat(3), even[sub], b[sub].repeat(3), torch.zeros(2)])),
+        "saturate": (torch.tensor([torch.nextafter(torch.tensor(top), inf), top + step / 2, top + step, 2 * top, 1e30,
+                                   torch.finfo(torch.float32).max, inf]), torch.full((7,), top)),
+    }
+    return {c: (torch.cat([x.flatten(), -x.flatten()]), torch.cat([w.flatten(), -w.flatten()]))
+            for c, (x, w) in cases.items()}
+
+
+# Triton's interpreter converts fp32 -> fp8 wrongly in three ways (the cases below it fails, and only those); the GPU
+# conversion (cvt.rn.satfinite.e4m3x2/e5m2x2.f32) stores torch's bits (bit for bit on an H200, issue 36), so the
+# "cuda" variant checks the kernel there. Upstream: triton-lang/triton#8322 (open; fixes proposed in PRs #9808,
+# #11897). When a Triton release fixes it, these xfails turn into failures (strict): drop the marks then.
+_INTERPRETER_FP8 = ("TRITON_INTERPRET=1: triton/runtime/interpreter.py _convert_float (Triton 3.9.0) rounds an fp32 -> "
+                    "fp8 downcast wrongly; the kernel stores torch's bits on the GPU (the cuda variant checks them): ")
+_INTERPRETER_WRONG = {
+    "carry": "a round-up that overflows the mantissa (111 + 1, line 228) is ORed into the exponent field (lines "
+             "254-255) instead of added, so with an odd exponent the carry is lost: one binade low (1.98 -> 1.0)",
+    "tie": "it rounds up whenever the guard bit is set (lines 227-228), ignoring the sticky bits and the lowest kept "
+           "bit: ties go away from zero, not to even",
+    "subnormal": "an fp8-subnormal result is the mantissa rounded for a normal one, then shifted right without "
+                 "rounding (lines 246-247): truncated and double-rounded",
+}
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu,
+                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("scale", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.xfail(INTERPRET, strict=True, reason=_INTERPRETER_FP8 + _INTERPRETER_WRONG[c]))
+    if c in _INTERPRETER_WRONG else c
+    for c in ("exact", "down", "up", "carry", "tie", "subnormal", "saturate")])
+def test_write_kv_rounds_like_torch(device, kv_dtype, scale, case):
+    """The fp8 write stores torch's saturated cast ``(x.float() / scale).clamp(-max, max).to(fp8)`` bit for bit
+    (round to nearest even): every code's neighbourhood - the code, just off it, between it and the midpoint,
+    the midpoint (a tie), past it, a round-up carrying into the next binade - subnormals, zeros, values past the
+    largest (saturation, inf), both signs. Scales are powers of two, so ``x / scale`` is exact on every path."""
+    targets, want = _rounding_cases(kv_dtype)[case]
+    top = torch.finfo(kv_dtype).max
+    # the cases are what they claim: torch's cast of the targets is round-to-nearest-even, saturated
+    assert torch.equal(targets.clamp(-top, top).to(kv_dtype).view(torch.uint8), want.to(kv_dtype).view(torch.uint8))
+    h, d = HKV, 128
+    t = -(-targets.numel() // (h * d))
+    x = torch.zeros(t * h * d)
+    x[:targets.numel()] = targets
+    key = (x * scale).reshape(t, h, d)
+    value = (x.flip(0) / scale).reshape(t, h, d)  # v_scale = 1 / scale
+    k = torch.full((t, 1, h, d), 0x55, dtype=torch.uint8).view(kv_dtype).to(device)
+    v = k.clone()
+    pb.write_kv(key.to(device), value.to(device), k, v, torch.arange(t, device=device),
+                k_scale=scale, v_scale=1 / scale)
+    for name, cache, src, s in (("k", k, key, scale), ("v", v, value, 1 / scale)):
+        ref = (src.float() / s).clamp(-top, top).to(kv_dtype)
+        got = cache.cpu()[:, 0]
+        bad = got.view(torch.uint8) != ref.view(torch.uint8)
+        eg = list(zip((src / s)[bad].tolist(), got[bad].float().tolist(), ref[bad].float().tolist()))[:6]
+        assert not bad.any(), f"{name}: {int(bad.sum())} of {bad.numel()} values differ; (x / scale, got, want): {eg}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
