@@ -36,15 +36,16 @@ from paged_backend.kernels.launch import launch, pow2
 
 
 @gluon.jit
-def _find_tile(qsl_ptr, batch, pid, TOK: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr):
+def _find_tile(qsl_ptr, stride_qsl, batch, pid, TOK: gl.constexpr, BLOCK_B: gl.constexpr,
+               num_warps: gl.constexpr):
     """The program's request ``b``: the number of b in [0, B] with ``qsl[b] // TOK + b <= pid``,
-    minus one (as in the portable kernel)."""
+    minus one (as in the portable kernel; ``qsl`` read with its stride)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     offs_b = gl.arange(0, BLOCK_B, layout=layout)
     cnt = gl.zeros([BLOCK_B], gl.int32, layout=layout)
     for b0 in range(0, batch + 1, BLOCK_B):
         ib = b0 + offs_b
-        start = gl.load(qsl_ptr + ib, mask=ib <= batch, other=0)
+        start = gl.load(qsl_ptr + ib.to(gl.int64) * stride_qsl, mask=ib <= batch, other=0)
         cnt += ((start // TOK + ib <= pid) & (ib <= batch)).to(gl.int32)
     return gl.sum(cnt, 0) - 1
 
@@ -74,7 +75,7 @@ def _consumer_partition(rows, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.const
     tok_io = t0 + WG * TOKS + r_io // GROUP
     qh_io = kvh * GROUP + r_io % GROUP
     row_io = q_begin + tok_io
-    ok_io = (tok_io < q_len) & (row_io < num_tokens)
+    ok_io = (tok_io < q_len) & (row_io >= 0) & (row_io < num_tokens)  # (bad metadata: no row out of bounds)
     row_io = row_io.to(gl.int64)
     q_tile = q_smem.index(WG)
     load_rows(q_tile, q_ptr, row_io, qh_io, ok_io, stride_qt, stride_qh, D)
@@ -91,7 +92,7 @@ def _consumer_partition(rows, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.const
     tok_l = t0 + WG * TOKS + r_s // GROUP
     qh_l = kvh * GROUP + r_s % GROUP
     row_l = q_begin + tok_l
-    ok_l = (tok_l < q_len) & (row_l < num_tokens)
+    ok_l = (tok_l < q_len) & (row_l >= 0) & (row_l < num_tokens)
     if SINKS:  # a key of logit sinks[h] and value 0: only the denominator grows
         sink = gl.load(sinks_ptr + qh_l, mask=ok_l, other=0.0)
         new = gl.maximum(lse, sink) + gl.log(1.0 + gl.exp(-gl.abs(lse - sink)))  # logaddexp, sink finite
@@ -107,22 +108,23 @@ def _consumer_partition(rows, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.const
 def _prefill_sm90_kernel(
     q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr, sinks_ptr,
     sm_scale, cap, num_tokens, batch, max_tokens, page_rows, head_rows, head_cols, oob_row,
-    stride_qt, stride_qh, stride_btb, stride_btn, stride_ot, stride_oh, stride_lt, stride_lh,
+    stride_qt, stride_qh, stride_btb, stride_btn, stride_sl, stride_qsl, stride_ot, stride_oh, stride_lt, stride_lh,
     GROUP: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr,
     STAGES: gl.constexpr, BLOCK_B: gl.constexpr, CAUSAL: gl.constexpr, SINKS: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
     TOK: gl.constexpr = CONSUMERS * ROWS // GROUP  # query tokens per program
     pid = gl.program_id(0)
     kvh = gl.program_id(1)
-    b = _find_tile(qsl_ptr, batch, pid, TOK, BLOCK_B, gl.num_warps())
-    q_begin = gl.load(qsl_ptr + b)
-    q_len = gl.load(qsl_ptr + b + 1) - q_begin
+    b = _find_tile(qsl_ptr, stride_qsl, batch, pid, TOK, BLOCK_B, gl.num_warps())
+    b64 = b.to(gl.int64)  # the metadata vectors are read with their strides (any views of wider buffers)
+    q_begin = gl.load(qsl_ptr + b64 * stride_qsl)
+    q_len = gl.load(qsl_ptr + (b64 + 1) * stride_qsl) - q_begin
     n_q = gl.cdiv(q_len, TOK)
     local = pid - (q_begin // TOK + b)
     if local < n_q:
         if CAUSAL:
             local = n_q - 1 - local  # heaviest tiles of a request first
-        seq_len = gl.minimum(gl.load(seq_lens_ptr + b), max_tokens)
+        seq_len = gl.minimum(gl.load(seq_lens_ptr + b64 * stride_sl), max_tokens)
         off = gl.maximum(seq_len - q_len, 0)
         t0 = local * TOK
         if CAUSAL:
@@ -133,7 +135,7 @@ def _prefill_sm90_kernel(
             n_full = seq_len // BLOCK_N
         n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # one tile even without keys: nobody waits forever
         n_full = gl.minimum(n_full, seq_len // BLOCK_N)
-        bt_row_ptr = bt_ptr + b.to(gl.int64) * stride_btb
+        bt_row_ptr = bt_ptr + b64 * stride_btb
 
         q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_rings(k_desc, v_desc, D, BLOCK_N, STAGES)
 
@@ -165,7 +167,9 @@ def sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
 
 def prefill_sm90(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale: float, causal: bool, out, lse,
                  cfg: dict, sinks=None):
-    """The Hopper kernel over a call :func:`sm90_config` accepted (shapes as in ``prefill_triton``)."""
+    """The Hopper kernel over a call :func:`sm90_config` accepted (shapes as in ``prefill_triton``);
+    ``block_table``, ``seq_lens`` and ``query_start_loc`` may be any strided views (read with their
+    strides, no copies)."""
     t, hq, d = q.shape
     batch, (bs, hkv) = seq_lens.shape[0], k_cache.shape[1:3]
     group = hq // hkv
@@ -178,7 +182,8 @@ def prefill_sm90(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sc
         q, *descriptors(k_cache, v_cache, view, cfg["page_box"], cfg["block_n"]), block_table, seq_lens,
         query_start_loc, out, lse, lse if sinks is None else sinks,
         scale, cfg["softcap"] * LOG2E, t, batch, block_table.shape[1] * bs, *view[2:], view[0],
-        q.stride(0), q.stride(1), *block_table.stride(), out.stride(0), out.stride(1), *lse.stride(),
+        q.stride(0), q.stride(1), *block_table.stride(), seq_lens.stride(0), query_start_loc.stride(0),
+        out.stride(0), out.stride(1), *lse.stride(),
         GROUP=group, BS=bs, D=d, BLOCK_N=cfg["block_n"], PAGE_BOX=cfg["page_box"], STAGES=cfg["stages"],
         BLOCK_B=block_b, CAUSAL=bool(causal), SINKS=sinks is not None, SOFTCAP=cfg["softcap"] > 0, num_warps=4,
     )

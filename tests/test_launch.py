@@ -14,7 +14,8 @@ import paged_backend as pb
 from paged_backend.kernels import launch
 from paged_backend.kernels.cascade import _cascade_node_kernel
 from paged_backend.kernels.decode import _decode_kernel, _fold_states_kernel
-from paged_backend.kernels.dispatch import INTERPRET
+from paged_backend.kernels.dispatch import INTERPRET, use_sm90
+from paged_backend.cascade import cascade_node_kernel_name
 from paged_backend.cascade_plan import CascadeCost
 from paged_inputs import make_cache, make_decode_inputs
 
@@ -340,8 +341,11 @@ def _assert_direct_matches_normal(monkeypatch, cases: dict, call, kernels: set, 
     monkeypatch.setattr(launch, "DISABLED_BY", None)
     monkeypatch.setattr(launch, "_entries", {})
     replays = []
-    relaunch = launch.Relaunch.__call__
+    relaunch, drelaunch = launch.Relaunch.__call__, launch.DescriptorRelaunch.__call__
     monkeypatch.setattr(launch.Relaunch, "__call__", lambda self, *a: (replays.append(self.fn), relaunch(self, *a)))
+    # a Gluon kernel's relaunch calls the C launcher itself where it keeps TMA maps (Triton 3.6), else a Relaunch
+    monkeypatch.setattr(launch.DescriptorRelaunch, "__call__",
+                        lambda self, *a: (self.tma is not None and replays.append(self.fn), drelaunch(self, *a)))
     for _ in range(3):
         for name, args in cases.items():
             out, lse = call(*args)
@@ -371,7 +375,9 @@ def test_gpu_direct_decode_gives_the_normal_bits(monkeypatch, dtype, mode):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_direct_cascade_gives_the_normal_bits(monkeypatch):
-    """The node kernel, the leaf pieces beside it (launch_pdl) and the fold through slots."""
+    """The node kernel, the leaf pieces beside it (launch_pdl) and the fold through slots; on sm_90
+    (``dispatch.use_sm90``) the node kernel is the Hopper one (kernels/cascade_sm90.py: a
+    ``DescriptorRelaunch``), running the tails too where the plan has fused lists (no decode launch)."""
     bs, n, prefix, suffix = 16, 6, 4096, 300
     cols = -(-(prefix + suffix) // bs)
     shared = prefix // bs
@@ -384,6 +390,14 @@ def test_gpu_direct_cascade_gives_the_normal_bits(monkeypatch):
     cplan = pb.plan_cascade(table, lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=bs, device="cuda",
                             cost=CascadeCost(0, 0, 0))
     assert not cplan.is_flat
+    name = cascade_node_kernel_name(q, k, v, cplan)
+    if use_sm90(q.device):  # (H100/H200 with the Triton release the Gluon kernels were checked on)
+        from paged_backend.kernels.cascade_sm90 import _cascade_node_sm90_kernel
+        assert name in ("sm90", "sm90+tails")
+        node = {_cascade_node_sm90_kernel} if name == "sm90+tails" else {_cascade_node_sm90_kernel, _decode_kernel}
+    else:
+        assert name == "portable"
+        node = {_cascade_node_kernel, _decode_kernel}
     cases = {"contiguous": (q,), "misaligned q": (_misaligned(q),)}
     _assert_direct_matches_normal(monkeypatch, cases, lambda q: pb.cascade_decode(q, k, v, cplan),
-                                  {_cascade_node_kernel, _decode_kernel, _fold_states_kernel}, cplan)
+                                  node | {_fold_states_kernel}, cplan)

@@ -15,6 +15,8 @@ import torch
 
 import paged_backend as pb
 from paged_backend.cascade_plan import CascadeCost
+from paged_backend.kernels.dispatch import use_sm90
+from paged_backend.prefill import prefill_kernel_name
 from paged_inputs import make_cache, make_decode_inputs, pad_table, poison_outside, strided
 from reference import assert_close_state, decode_reference, prefill_reference
 
@@ -68,10 +70,53 @@ def test_prefill(case, causal, device):
     _, k, v, bt, sl = _poisoned_decode_inputs(lens, 8, 2, 64, 16, value, which, layout, dtype, device, case)
     qsl = torch.tensor(np.r_[0, np.cumsum(q_lens)], dtype=torch.int32, device=device)
     q = torch.randn(int(qsl[-1]), 8, 64, device=device).to(dtype)
+    if device == "cuda" and dtype != torch.float32 and use_sm90(q.device):  # the half cases run the Hopper kernel
+        assert prefill_kernel_name(q, k, v) == "sm90"
     out, lse = pb.paged_prefill(q, k, v, bt, sl, qsl, causal=causal)
     assert_close_state(out, lse, *prefill_reference(q, k, v, bt, sl, qsl, causal=causal), dtype)
     out_s, lse_s = pb.paged_prefill(q, k, v, strided(bt), strided(sl), strided(qsl), causal=causal)
     assert torch.equal(out_s, out) and torch.equal(lse_s, lse), "strided metadata changed the result"
+
+
+def test_sm90_prefill_launcher_passes_metadata_strides(monkeypatch):
+    """(CPU, launcher only) The Hopper prefill kernel gets the metadata views themselves (no copies)
+    with their strides - it reads ``block_table[b, j]`` at ``b * stride_btb + j * stride_btn``,
+    ``seq_lens[b]`` at ``b * stride_sl``, ``query_start_loc[b]`` at ``b * stride_qsl`` - and
+    otherwise the contiguous call's arguments and grid. test_prefill's half-precision GPU cases run
+    the kernel itself on sm_90."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from paged_backend.kernels import prefill_sm90 as sm90
+    lens, q_lens = [20, 5, 33, 16, 7], [4, 5, 1, 16, 0]
+    _, k, v, bt, sl = make_decode_inputs(lens, 8, 2, 64, 16, torch.bfloat16, layout="vllm")
+    qsl = torch.tensor(np.r_[0, np.cumsum(q_lens)], dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), 8, 64).to(torch.bfloat16)
+    cfg = sm90.sm90_config(q, k, v, 0.0, 0, (None, None))
+    assert cfg is not None
+    calls = []
+    monkeypatch.setattr(sm90, "launch", lambda fn, grid, *args, **kw: calls.append(
+        (grid, dict(zip(fn.arg_names, args)), kw)))
+    wide = torch.full((len(lens) + 1, 5), -7, dtype=torch.int32)  # columns of a wider buffer
+    wide[:, 3] = qsl
+    wide[:-1, 1] = sl
+    views = [(bt, sl, qsl), (strided(bt), strided(sl), strided(qsl)),
+             (bt.t().contiguous().t(), wide[:-1, 1], wide[:, 3]), (strided(bt.t()).t(), strided(sl), wide[:, 3])]
+    for meta in views:
+        sm90.prefill_sm90(q, k, v, *meta, 0.125, True, torch.empty_like(q), torch.empty(q.shape[:2]), cfg)
+    meta_args = {"bt_ptr": 0, "seq_lens_ptr": 1, "qsl_ptr": 2}
+    strides = {"stride_btb": (0, 0), "stride_btn": (0, 1), "stride_sl": (1, 0), "stride_qsl": (2, 0)}
+    grid0, args0, kw0 = calls[0]
+    assert [*args0, *(n for n in kw0 if n not in args0 and n != "num_warps")] == sm90._prefill_sm90_kernel.arg_names
+    assert strides.keys() <= args0.keys()
+    for (grid, args, kw), meta in zip(calls, views):
+        assert grid == grid0 and kw == kw0 and args.keys() == args0.keys()
+        for name, arg in args.items():
+            if name in meta_args:
+                assert arg is meta[meta_args[name]], name
+            elif name in strides:
+                t, dim = strides[name]
+                assert arg == meta[t].stride(dim), name
+            elif isinstance(arg, (int, float)):
+                assert arg == args0[name], name
 
 
 @pytest.mark.parametrize("device", DEVICES)

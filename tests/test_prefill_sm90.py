@@ -107,6 +107,44 @@ def test_bitwise_deterministic_and_matches_portable():
     assert_close_state(first[0], None, out, None, BF16)
 
 
+def _column(t, width=3, col=1):
+    """``t`` as column ``col`` of a wider buffer (its last dim ``width`` elements apart, -7 between):
+    how engines pass metadata (a slice of a persistent batch buffer)."""
+    buf = torch.full((*t.shape, width), -7, dtype=t.dtype, device=t.device)
+    buf[..., col] = t
+    return buf[..., col]
+
+
+_gen = torch.Generator().manual_seed(5)
+_many_q = torch.randint(0, 4, (1100,), generator=_gen)
+STRIDED_CASES = {  # q_lens, seq_lens, Hq, Hkv, D, BS, layout
+    "test_outside_rows' shape": ([4, 5, 1, 16, 0], [20, 5, 33, 16, 7], 8, 2, 64, 16, "vllm"),
+    "long chunks": ([1000, 1, 300, 0, 129], [1000, 50, 517, 33, 2000], 32, 8, 128, 16, "nhd"),
+    # B + 1 > 1024: the request search walks query_start_loc in two blocks
+    "1100 requests": (_many_q.tolist(), (_many_q + torch.randint(0, 40, (1100,), generator=_gen)).tolist(),
+                      32, 8, 128, 16, "nhd"),
+}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", list(STRIDED_CASES))
+def test_strided_metadata_gives_the_same_bits(case, causal):
+    """block_table / seq_lens / query_start_loc as strided views (columns of wider buffers, a
+    column-major table) give the contiguous call's bits: the kernel reads them with their strides
+    (reading them as contiguous took other entries, and out-of-range query rows faulted)."""
+    q_lens, seq_lens, hq, hkv, d, bs, layout = STRIDED_CASES[case]
+    q, k, v, bt, sl, qsl = make_prefill_inputs(q_lens, seq_lens, hq, hkv, d, bs, BF16, device="cuda", layout=layout,
+                                               extra_cols=2)
+    bt = pad_table(bt, sl, bs, pad_block=k.shape[0] - 1)
+    want = run_sm90((q, k, v, bt, sl, qsl), causal)
+    assert_close_state(*want, *device_reference(q, k, v, bt, sl, qsl, causal=causal), BF16)
+    for meta in ((_column(bt), _column(sl), _column(qsl)),
+                 (bt.t().contiguous().t(), _column(sl, 5, 4), qsl),
+                 (bt, sl, _column(qsl, 2, 0))):
+        got = run_sm90((q, k, v, *meta), causal)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_uncovered_calls_fall_back():
     q, k, v, bt, sl, qsl = make_prefill_inputs([64], [64], 32, 8, 128, 16, BF16, device="cuda")
     assert prefill_kernel_name(q, k, v, window=16) == "portable"
