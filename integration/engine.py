@@ -156,10 +156,13 @@ class LLM:
                 try:
                     self.sched.add_request(r.token_ids, r.params, request_id=r.request_id)
                 except ValueError as e:  # over a limit of this engine: this request only
-                    stats.num_rejected += 1
-                    log.warning("request %s rejected: %s", r.request_id, e)
-                    bar.update(1)
-                    yield RequestOutput(r.request_id, r.prompt, r.token_ids, [], error=str(e))
+                    yield self._rejected(r, e, stats, bar)
+                    continue
+                try:  # its sampling settings, checked before any step: a bad one fails this request only
+                    self.samples.add(r)
+                except (ValueError, TypeError, OverflowError) as e:
+                    self.samples.drop(self.sched.abort(r.request_id))
+                    yield self._rejected(r, e, stats, bar)
                     continue
                 live.add(r.request_id)
                 self._live[r.request_id] = r
@@ -186,6 +189,12 @@ class LLM:
                     self.samples.drop(self.sched.abort(rid))
                 self._live.pop(rid, None)
 
+    def _rejected(self, r: Request, e: Exception, stats: RunStats, bar) -> RequestOutput:
+        stats.num_rejected += 1
+        log.warning("request %s rejected: %s", r.request_id, e)
+        bar.update(1)
+        return RequestOutput(r.request_id, r.prompt, r.token_ids, [], error=str(e))
+
     # ------------------------------------------------------------------ one step
     def _step(self, stats: RunStats):
         sched = self.sched
@@ -199,7 +208,7 @@ class LLM:
             self.cache.copy_blocks(batch.block_copies)
             kind, logits = self._forward(batch, events is not None)  # [R, V]
             with torch.inference_mode():
-                rows, fork = self.samples.rows(batch, self._live)
+                rows, fork = self.samples.rows(batch)
                 if fork is not None:
                     logits = logits.repeat_interleave(torch.from_numpy(fork).to(logits.device), dim=0)
                 sampled = self.sampler(logits, rows)

@@ -3,7 +3,7 @@ anything runs: every malformed prompt or parameter raises with its index named."
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -41,6 +41,9 @@ class RequestMaker:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if isinstance(sampling_params, (str, bytes, Mapping)) or not isinstance(sampling_params, Iterable):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
         sampling_params = list(sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
@@ -95,11 +98,19 @@ def chat_prompts(tokenizer, model_name: str, messages, *, add_generation_prompt:
     the chat template's text and its token ids."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"model {model_name} has no chat template; send raw prompts with generate()")
-    convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+    one = bool(messages) and isinstance(messages[0], dict)
+    convs = [messages] if one else list(messages)
     out = []
     for i, conv in enumerate(convs):
-        if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+        if not conv or isinstance(conv, (str, dict)):
             raise ValueError(f"messages[{i}] must be a non-empty list of {{'role': ..., 'content': ...}} dicts")
+        for j, m in enumerate(conv):
+            at = f"messages[{j}]" if one else f"messages[{i}][{j}]"
+            if not isinstance(m, dict):
+                raise ValueError(f"{at} must be a {{'role': ..., 'content': ...}} dict, got {type(m).__name__}")
+            for key in ("role", "content"):
+                if key not in m:
+                    raise ValueError(f"{at} has no {key!r} (a message is a {{'role': ..., 'content': ...}} dict)")
         text = tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              **(chat_template_kwargs or {}))
         out.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids})

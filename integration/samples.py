@@ -1,10 +1,14 @@
-"""Per-sample bookkeeping of the engine: which draw a sample makes next (for its noise key),
+"""Per-request and per-sample bookkeeping of the engine: each request's sampling settings (checked
+when it is added), which draw a sample makes next (for its noise key),
 its log-probabilities so far, and its final :class:`CompletionOutput`.
 
 A sample is a scheduler ``Sequence``; its index among its request's samples is fixed when the
 request forks (its prompt's last step draws ``n`` tokens, one per sample, in order).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Integral
 
 import numpy as np
 
@@ -13,37 +17,65 @@ from .requests import Request
 from .sampler import SampleRows, row_keys
 
 
+@dataclass(frozen=True)
+class Draw:
+    """What drawing a request's samples needs, checked and converted once when it is added."""
+    seed: np.uint64
+    temperature: np.float32
+    top_k: np.int64
+    top_p: np.float32
+    min_p: np.float32
+    logprobs: int
+
+
+def draw_of(request: Request) -> Draw:
+    """request -> its :class:`Draw`. Raises ValueError for a seed outside [0, 2**64) and
+    ValueError/TypeError/OverflowError for a setting numpy cannot convert: values that got past
+    ``SamplingParams``' checks (set after it was made)."""
+    seed, p = request.seed, request.params
+    if isinstance(seed, bool) or not isinstance(seed, Integral) or not 0 <= int(seed) < 2 ** 64:
+        raise ValueError(f"seed must be an int in [0, 2**64) (SamplingParams maps [-2**63, 0) there), got {seed!r}")
+    return Draw(np.uint64(int(seed)), np.float32(p.temperature), np.int64(p.top_k), np.float32(p.top_p),
+                np.float32(p.min_p), int(p.logprobs or 0))
+
+
 class SampleBook:
     def __init__(self):
+        self.draws: dict[str, Draw] = {}        # request id -> its sampling settings
         self.index: dict[int, int] = {}        # seq id -> sample index (absent: 0)
         self.cumulative: dict[int, float] = {}  # seq id -> sum of its tokens' log-probabilities
         self.logprobs: dict[int, list] = {}     # seq id -> per token {id: log-probability}
 
-    def rows(self, batch, requests: dict[str, Request]) -> tuple[SampleRows, np.ndarray | None]:
+    def add(self, request: Request) -> None:
+        """Keeps a request's :class:`Draw` before it is scheduled: a bad value raises here (see
+        :func:`draw_of`), so it fails that request alone, never a step."""
+        self.draws[request.request_id] = draw_of(request)
+
+    def rows(self, batch) -> tuple[SampleRows, np.ndarray | None]:
         """The step's sample rows: each row with num_samples = c > 0 gives c rows (a prompt that
         forks into n samples draws n tokens from its last position). -> (rows, c per row, or None
         when every c is 1)."""
         sel = np.flatnonzero(batch.num_samples)
         counts = batch.num_samples[sel]
         seqs = [batch.seqs[i] for i in sel]
-        per = np.array([(requests[s.group.request_id].seed, self.index.get(s.seq_id, 0),
-                         len(s.token_ids) - s.num_prompt_tokens) for s in seqs], np.int64).reshape(-1, 3)
-        params = [s.group.params for s in seqs]
+        draws = [self.draws[s.group.request_id] for s in seqs]
+        index = np.array([self.index.get(s.seq_id, 0) for s in seqs], np.int64)
+        position = np.array([len(s.token_ids) - s.num_prompt_tokens for s in seqs], np.int64)
         fork = None
         if (counts > 1).any():
             rep = np.repeat(np.arange(len(sel)), counts)
             first = np.repeat(np.cumsum(counts) - counts, counts)
-            per = per[rep]
-            per[:, 1] += np.arange(rep.size) - first  # a fork row's samples are 0..n-1
-            params = [params[i] for i in rep]
+            index = index[rep] + (np.arange(rep.size) - first)  # a fork row's samples are 0..n-1
+            position = position[rep]
+            draws = [draws[i] for i in rep]
             fork = counts.astype(np.int64)
         rows = SampleRows(
-            temperature=np.array([p.temperature for p in params], np.float32),
-            top_k=np.array([p.top_k for p in params], np.int64),
-            top_p=np.array([p.top_p for p in params], np.float32),
-            min_p=np.array([p.min_p for p in params], np.float32),
-            key=row_keys(per[:, 0].astype(np.uint64), per[:, 1], per[:, 2]),
-            num_logprobs=max((p.logprobs or 0 for p in params), default=0))
+            temperature=np.array([d.temperature for d in draws], np.float32),
+            top_k=np.array([d.top_k for d in draws], np.int64),
+            top_p=np.array([d.top_p for d in draws], np.float32),
+            min_p=np.array([d.min_p for d in draws], np.float32),
+            key=row_keys(np.array([d.seed for d in draws], np.uint64), index, position),
+            num_logprobs=max((d.logprobs for d in draws), default=0))
         return rows, fork
 
     def record(self, batch, tokens: np.ndarray, logprobs: np.ndarray, top) -> None:
@@ -86,7 +118,8 @@ class SampleBook:
                              num_preemptions=group.num_preemptions)
 
     def drop(self, group) -> None:
-        """Forgets a finished or aborted request's samples."""
+        """Forgets a finished or aborted request and its samples."""
+        self.draws.pop(group.request_id, None)
         for s in group.seqs:
             for d in (self.cumulative, self.logprobs, self.index):
                 d.pop(s.seq_id, None)

@@ -19,6 +19,16 @@ def _int(name: str, value, lo: int) -> int:
     return int(value)
 
 
+SEED_MIN, SEED_END = -2 ** 63, 2 ** 64  # seeds in [SEED_MIN, SEED_END): int64 or uint64 values
+
+
+def _seed(value) -> int:
+    """A seed as the engine uses it: an int in [0, 2**64) (negative ones -> their uint64)."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or not SEED_MIN <= int(value) < SEED_END:
+        raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {value!r}")
+    return int(value) % SEED_END
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request.
@@ -31,8 +41,9 @@ class SamplingParams:
     top_k:          -1 or 0 disables; otherwise >= 1: keep the k most likely tokens.
     min_p:          in [0, 1]: drop tokens less likely than min_p times the most likely one.
     max_tokens:     >= 1 generated tokens per sample.
-    seed:           None or an int >= 0: the request's samples are a function of the seed, the
-                    model and the prompt alone (not of the batch they run in).
+    seed:           None or an int in [-2**63, 2**64), kept as its uint64 (a negative seed becomes
+                    seed + 2**64, its two's complement): the request's samples are a function of
+                    the seed, the model and the prompt alone (not of the batch they run in).
     stop_token_ids: token ids that end a sample; the engine adds the model's EOS unless
                     ignore_eos. The stop token is kept in the token ids.
     stop:           stop strings (a str or a sequence of non-empty str); need a detokenizer.
@@ -76,7 +87,7 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1
         if self.seed is not None:
-            self.seed = _int("seed", self.seed, 0)
+            self.seed = _seed(self.seed)
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
             raise ValueError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = tuple(_int("stop_token_ids[i]", t, 0) for t in self.stop_token_ids)

@@ -53,6 +53,16 @@ def test_chat_answers_paris(llm):
     assert "Paris" in c.text and c.finish_reason == "stop" and c.token_ids[-1] in llm.info.eos_token_ids
 
 
+def test_top_k_1_samples_are_greedy(llm, alone):
+    """top_k=1 leaves one token to draw whatever the noise: seed 376 drew another token before the
+    noise was made finite (its key hit the last of 2^24 buckets: u = 1, noise +inf)."""
+    want = alone[PROMPTS[0]][:3]
+    for seed in (376, 0, 1, 2 ** 63, 2 ** 64 - 1):
+        out = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, top_k=1, seed=seed, max_tokens=3),
+                           use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want, seed
+
+
 def test_prefix_cache_hit_and_forked_greedy_samples(llm, alone):
     long = PROMPTS[1]  # 2 full blocks of 16: cached since the fixture ran it
     before = llm.sched.bm.prefix_hit_tokens
@@ -139,3 +149,53 @@ def test_sample_rows_are_batched_per_step(llm, monkeypatch):
     llm.generate(PROMPTS, SamplingParams(n=3, temperature=0.7, max_tokens=4, ignore_eos=True, seed=5), use_tqdm=False)
     assert len(calls) == llm.last_stats.steps and max(calls) == 12
     assert np.sum(calls) == 12 * 4
+
+
+def test_a_request_with_a_bad_seed_fails_alone(llm):
+    """A seed past SamplingParams' checks (set after it was made) fails its own request, before any
+    step: the others run and draw the tokens they draw without it, and nothing is left behind."""
+    good = [SamplingParams(n=n, temperature=0.8, max_tokens=3, seed=s, ignore_eos=True) for n, s in ((2, 1), (1, 2))]
+    want = [[c.token_ids for c in o.outputs] for o in llm.generate([PROMPTS[0], PROMPTS[2]], good, use_tqdm=False)]
+    bad = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True)
+    bad.seed = 2 ** 64  # ignore_eos: the engine makes no copy of it, which would check it again
+    outs = llm.generate([PROMPTS[0], PROMPTS[3], PROMPTS[2]], [good[0], bad, good[1]], use_tqdm=False)
+    assert outs[1].outputs == [] and "seed must be an int in [0, 2**64)" in outs[1].error
+    assert [[c.token_ids for c in o.outputs] for o in (outs[0], outs[2])] == want
+    assert outs[0].error is None and outs[2].error is None and llm.last_stats.num_rejected == 1
+    assert not llm.sched.requests and not llm._live and not llm.samples.draws
+    assert llm.sched.bm.num_held == 0 and llm.sched.bm.num_free_blocks == llm.sched.bm.num_blocks
+
+
+def test_a_request_whose_draw_settings_fail_is_aborted_alone(llm, monkeypatch):
+    """Any failure of a request's per-request sampling setup ends that request only."""
+    from paged_backend.integration import samples
+    real = samples.draw_of
+    monkeypatch.setattr(samples, "draw_of", lambda r: (_ for _ in ()).throw(TypeError("poisoned"))
+                        if r.request_id == "bad" else real(r))
+    p = SamplingParams(temperature=0.8, max_tokens=3, seed=7)
+    want = llm.generate(PROMPTS[0], p, use_tqdm=False)[0].outputs[0].token_ids
+    outs = list(llm.generate_iter([PROMPTS[2], PROMPTS[0]], p, request_ids=["bad", "ok"]))
+    assert outs[0].request_id == "bad" and outs[0].error == "poisoned" and outs[0].outputs == []
+    assert outs[1].request_id == "ok" and outs[1].error is None and outs[1].outputs[0].token_ids == want
+    assert not llm.sched.requests and llm.sched.bm.num_held == 0
+
+
+def test_uint64_seeds_draw_tokens(llm):
+    seeds = [2 ** 64 - 1, 2 ** 63, -1, 0]
+    outs = llm.generate([PROMPTS[0]] * 4, [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True)
+                                           for s in seeds], use_tqdm=False)
+    toks = [o.outputs[0].token_ids for o in outs]
+    assert all(o.error is None for o in outs) and all(len(t) == 3 for t in toks)
+    assert toks[2] == toks[0]  # -1 is 2**64 - 1
+
+
+def test_sampling_params_of_the_wrong_kind_and_messages_without_content_are_named(llm):
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them, got dict"):
+        llm.generate("Hi", {"temperature": 0}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[0\] has no 'content'"):
+        llm.chat([{"role": "user"}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[1\]\[1\] has no 'content'"):
+        llm.chat([[{"role": "user", "content": "Hi"}],
+                  [{"role": "user", "content": "Hi"}, {"role": "assistant"}]], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[0\] has no 'role'"):
+        llm.chat([{"content": "Hi"}], use_tqdm=False)
