@@ -161,6 +161,51 @@ def test_plan_update_reuses_buffers():
     assert_close_state(out, lse, ref_o, ref_lse, torch.float32)
 
 
+@pytest.mark.skipif(INTERPRET, reason="the interpreter's kernels always take the normal path")
+def test_stream_k_and_split_calls_do_the_same_host_work(monkeypatch):
+    """Issue 36 item 5 (eager B1x8K stream-K measured 2x split): a call with either plan, once its
+    launches are kept, is the same two direct launcher calls (decode, fold; only the decode grid
+    differs) and nothing else of Triton's: no launch() key, no JITFunction.run, no torch.empty in
+    decode_triton. The direct path is switched on without a GPU: the kernels' normal launches and
+    their compiled launcher only record their calls."""
+    from types import SimpleNamespace
+
+    from paged_backend.kernels import decode as kernels_decode, launch
+
+    seen = []
+    for kernel in (kernels_decode._decode_kernel, kernels_decode._fold_states_kernel):
+        name = kernel.__name__
+        compiled = SimpleNamespace(function=name, packed_metadata="packed",
+                                   run=lambda *a, name=name: seen.append(("direct", name, a[:3])))
+        monkeypatch.setattr(kernel, "run", lambda *a, grid, warmup, name=name, compiled=compiled, **kw:
+                            seen.append(("normal", name, grid)) or compiled)
+    monkeypatch.setattr(launch, "DISABLED_BY", None)
+    monkeypatch.setattr(launch, "_device", lambda: 0)
+    monkeypatch.setattr(launch, "_stream", lambda device: "stream")
+    monkeypatch.setattr(launch, "_entries", {})
+    keyed = []
+    monkeypatch.setattr(kernels_decode, "launch", lambda *a, _launch=launch.launch, **kw:
+                        keyed.append(a[0]) or _launch(*a, **kw))
+    lens = [8192]  # B1x8K on a 132-SM GPU: 264 programs
+    q, k, v, bt, sl = make_decode_inputs(lens, 32, 8, 128, 16, torch.float32)
+    out, lse = torch.zeros(1, 32, 128), torch.zeros(1, 32)
+    per_call = {}
+    for mode in ("stream_k", "split"):
+        plan = pb.plan_decode(lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cpu",
+                              mode=mode, num_programs=264)
+        kernels_decode.decode_triton(q, k, v, bt, sl, plan, 128 ** -0.5, out, lse)  # keeps its launches
+        seen.clear(), keyed.clear()
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", lambda *a, **kw: pytest.fail("decode_triton allocated"))
+            for _ in range(3):
+                kernels_decode.decode_triton(q, k, v, bt, sl, plan, 128 ** -0.5, out, lse)
+        assert not keyed and len(seen) == 6 and all(s[0] == "direct" for s in seen)
+        per_call[mode] = seen[:2]
+        assert seen[2:4] == seen[:2] == seen[4:]
+    grids = {mode: [s[2] for s in calls] for mode, calls in per_call.items()}
+    assert grids == {"stream_k": [(264, 1, 1), (8, 4, 1)], "split": [(264 + 8, 1, 1), (8, 4, 1)]}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
