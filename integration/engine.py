@@ -22,9 +22,11 @@ import torch
 
 from paged_backend.cascade import CascadeCost
 from paged_backend.scheduler import BlockManager, SamplingParams, Scheduler
+from paged_backend.scheduler.scheduler import FINISHED
 
 from . import hf_attention, models
-from .graphs import DecodeGraphs, PathChoice
+from .graphs import DecodeGraphs, PathChoice, padded_sizes
+from .launched import Launched
 from .kv_cache import KVCacheSpec, PagedKVCache, blocks_for
 from .outputs import RequestOutput, RunStats
 from .requests import Request, RequestMaker, chat_prompts
@@ -52,19 +54,26 @@ class LLM:
     cascade: decode samples that share a prompt with ``pb.cascade_decode`` (a shared prefix read
     once, where its cost model says it pays; a ``CascadeCost`` replaces that model, its
     ``kv_elem_bytes`` the cache's: 1 with an fp8 cache) - False runs
-    every decode flat. seed: the seed of requests that give none. enforce_eager: on a GPU, flat
-    decode steps replay CUDA graphs of the model (captured per padded batch size on first use)
-    unless this is True. profile: record each step's host and GPU time in ``last_stats.step_log``
+    every decode flat. seed: the seed of requests that give none. enforce_eager: on a GPU, decode
+    steps replay CUDA graphs of the model unless this is True: flat steps whole, cascade steps cut at
+    attention, captured for every padded batch size up to ``max_num_seqs`` when the engine starts
+    (a progress bar on a terminal), so no step of a user's call pays a capture. profile: record each step's host and GPU time in ``last_stats.step_log``
     (CUDA events; for benchmarks). kv_cache_dtype: "auto" (the model's dtype) or "fp8" (e4m3;
     "fp8_e5m2" too): half the KV bytes per token, so twice the pool and half the bytes every decode
     step reads; K/V are stored with per-tensor scales of 1.0 (vLLM's default without calibration).
+    async_scheduling: while a decode step runs, schedule and launch the next one (its input ids are
+    the running step's tokens, read on the device), then book the running step's tokens: the host's
+    work overlaps the device's (as vLLM's async scheduling). Only while every running sample
+    decodes, nothing waits and no preemption is needed; a sample that stops on EOS or a stop string
+    runs one step more, whose token is dropped. Outputs are the same either way.
     """
 
     def __init__(self, model=None, *, tokenizer=None, dtype="auto", device=None, block_size: int = 16,
                  num_blocks: int | None = None, kv_memory_fraction: float | None = None, max_num_seqs: int = 256,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, cascade: bool | CascadeCost = True, seed: int = 0,
-                 enforce_eager: bool = False, profile: bool = False, kv_cache_dtype: str = "auto"):
+                 enforce_eager: bool = False, profile: bool = False, kv_cache_dtype: str = "auto",
+                 async_scheduling: bool = True):
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = models.pick_dtype(dtype, self.device)
         if isinstance(model, torch.nn.Module):
@@ -103,9 +112,11 @@ class LLM:
                                        windows=self.info.windows)
             self.split = SplitGraphs(self.model, max_num_seqs=max_num_seqs, device=self.device)
             self.choice = PathChoice(self.model, spec.bytes_per_block // block_size, self.device)
+            self._capture(max_num_seqs, bool(cascade))
         self.requests = RequestMaker(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
                                      np.random.default_rng(seed))
         self.profile = profile
+        self.async_scheduling = bool(async_scheduling)
         self.last_stats = RunStats()
 
     # ------------------------------------------------------------------ public API
@@ -151,6 +162,7 @@ class LLM:
         hits_before, self._preemptions_before = self.sched.bm.prefix_hit_tokens, self.sched.num_preemptions
         bar = _progress(len(reqs), use_tqdm)
         live: set[str] = set()
+        step = None  # the step in flight
         try:
             for r in reqs:
                 try:
@@ -168,8 +180,18 @@ class LLM:
                 self._live[r.request_id] = r
                 stats.num_samples += r.params.n
                 stats.prompt_tokens += len(r.token_ids)
-            while self.sched.has_unfinished():
-                for g in self._step(stats):
+            self._last_finish = t_start
+            while step is not None or self.sched.has_unfinished():
+                if step is None:
+                    step = self._launch(self._schedule(), None)
+                ahead = None
+                if self.async_scheduling and self.sched.can_run_ahead(step.batch):
+                    self.sched.run_ahead(step.batch)  # the next step runs while this one's tokens come back
+                    ahead = self._launch(self._schedule(), step)
+                    stats.ahead_steps += 1
+                done = self._finish(step, stats)
+                step = ahead
+                for g in done:
                     live.discard(g.request_id)
                     self.sched.requests.pop(g.request_id, None)
                     out = self.samples.output(g, self._live.pop(g.request_id),
@@ -182,6 +204,8 @@ class LLM:
                     bar.set_postfix_str(f"{stats.tokens_per_s:.1f} tok/s", refresh=False)
                     yield out
         finally:
+            if step is not None:  # closed early with a step in flight: its KV writes land first
+                step.wait()
             stats.wall_time = time.perf_counter() - t_start
             bar.close()
             for rid in live:  # closed early: the step boundary is behind us, so blocks free safely
@@ -196,57 +220,70 @@ class LLM:
         return RequestOutput(r.request_id, r.prompt, r.token_ids, [], error=str(e))
 
     # ------------------------------------------------------------------ one step
-    def _step(self, stats: RunStats):
-        sched = self.sched
-        batch = sched.schedule()
+    def _schedule(self):
+        batch = self.sched.schedule()
         if batch.is_empty:
             raise RuntimeError("the scheduler made no progress with requests pending (a bug: please report it)")
+        return batch
+
+    def _launch(self, batch, prev: Launched | None) -> Launched:
+        """Queues ``batch``'s forward and draw on the device. ``prev``: the step in flight whose
+        tokens are this decode-only step's input ids (``Scheduler.run_ahead``), or None."""
         t0 = time.perf_counter()
         captured = self._graphs_made()
         events = _events(self.device) if self.profile else None
         try:
             self.cache.copy_blocks(batch.block_copies)
-            kind, logits = self._forward(batch, events is not None)  # [R, V]
+            kind, logits = self._forward(batch, events is not None, None if prev is None else prev.tokens)  # [R, V]
             with torch.inference_mode():
                 rows, fork = self.samples.rows(batch)
                 if fork is not None:
-                    logits = logits.repeat_interleave(torch.from_numpy(fork).to(logits.device), dim=0)
+                    logits = logits.repeat_interleave(torch.from_numpy(fork).to(logits.device), dim=0,
+                                                      output_size=int(fork.sum()))
                 sampled = self.sampler(logits, rows)
-                packed = torch.stack([sampled.tokens.double(), sampled.logprobs.double()])
                 t_issued = time.perf_counter()
                 if events:
                     events[1].record()
-                host = packed.cpu().numpy()
-                top = None if sampled.top_ids is None else (sampled.top_ids.cpu().numpy(),
-                                                            sampled.top_logprobs.cpu().numpy())
+                launched = Launched.start(batch, kind, sampled, t0, t_issued, captured != self._graphs_made(), events)
+                launched.attend_events = self._attend_events
+                return launched
         except BaseException:
+            if prev is not None:
+                prev.wait()
             self._new_scheduler()  # the step's KV may be half written: drop every block and cached prefix
             raise
-        tokens = host[0].astype(np.int64)
+
+    def _finish(self, step: Launched, stats: RunStats):
+        """Waits for ``step``'s tokens and books them -> the groups that finished."""
+        sched, batch = self.sched, step.batch
+        tokens, logprobs, top = step.wait()
+        stale = np.fromiter((s.status is FINISHED for s in batch.seqs), bool, len(batch.seqs))  # ended before
         done = sched.postprocess(batch, tokens)
-        self.samples.record(batch, tokens, host[1], top)
-        dt = time.perf_counter() - t0
-        if self.choice is not None and captured == self._graphs_made():  # (a capture is not a step's time)
-            if kind == CASCADE:
+        self.samples.record(batch, tokens, logprobs, top, stale)
+        now = time.perf_counter()
+        dt = now - max(step.t0, self._last_finish)  # (steps overlap: each counts from the last one's end)
+        self._last_finish = now
+        if self.choice is not None and not step.captured:  # (a capture is not a step's time)
+            if step.kind == CASCADE:
                 self.choice.note_cascade(dt)
-            elif kind == GRAPH:
+            elif step.kind == GRAPH:
                 self.choice.note_flat(dt, batch)
         if self.profile:
             gpu = attend = None
-            if events:
-                events[1].synchronize()  # (a step of prefill chunks copies nothing back: no sync)
-                gpu = events[0].elapsed_time(events[1]) / 1e3
-                if self._attend_events:
-                    attend = sum(a.elapsed_time(b) for a, b in self._attend_events) / 1e3
-            stats.step_log.append(dict(kind=kind, rows=len(batch.seqs), tokens=batch.num_tokens,
-                                       host_s=t_issued - t0, total_s=dt, gpu_s=gpu, attend_s=attend))
+            if step.events:
+                step.events[1].synchronize()  # (a step of prefill chunks copies nothing back: no sync)
+                gpu = step.events[0].elapsed_time(step.events[1]) / 1e3
+                if step.attend_events:
+                    attend = sum(a.elapsed_time(b) for a, b in step.attend_events) / 1e3
+            stats.step_log.append(dict(kind=step.kind, rows=len(batch.seqs), tokens=batch.num_tokens,
+                                       host_s=step.t_issued - step.t0, total_s=dt, gpu_s=gpu, attend_s=attend))
         stats.steps += 1
         if batch.num_prefill_tokens:
             stats.prefill_time += dt
         else:
             stats.decode_time += dt
             stats.decode_steps += 1
-            stats.cascade_steps += kind == CASCADE
+            stats.cascade_steps += step.kind == CASCADE
         bm = sched.bm
         used = bm.num_blocks - bm.num_free_blocks
         stats.peak_kv_blocks = max(stats.peak_kv_blocks, used)
@@ -254,31 +291,48 @@ class LLM:
         stats.preemptions = sched.num_preemptions - self._preemptions_before
         return done
 
-    def _forward(self, batch, timed: bool) -> tuple[str, torch.Tensor]:
+    def _forward(self, batch, timed: bool, ids: torch.Tensor | None) -> tuple[str, torch.Tensor]:
         """The model on one step -> (how attention ran: DECODE, CASCADE, PREFILL or GRAPH, logits [R, V]).
         On a GPU flat decode steps replay a CUDA graph, and cascade steps the model's graphs cut at
-        attention (:mod:`.split_graphs`); the rest run eagerly."""
+        attention (:mod:`.split_graphs`); the rest run eagerly. ``ids`` [B] int64 on the device: the
+        input ids of a decode-only step run ahead (its batch holds placeholders), or None."""
         self._attend_events = None
         step = None
         if not batch.num_prefill_tokens and self.graphs is not None:
             if self.builder.wants_cascade(batch) and self.choice.cascade(batch):
                 step = self.builder.build(batch)
             if step is None or not step.is_cascade:
-                logits = self.graphs.run(batch)
+                logits = self.graphs.run(batch, ids)
                 if logits is not None:
                     return GRAPH, logits
         if step is None:
             step = self.builder.build(batch)
+        if ids is not None:
+            step.input_ids[0, :ids.numel()].copy_(ids)
         if timed and self.device.type == "cuda":
             step.attend_events = self._attend_events = []
         if step.is_cascade and self.split is not None:  # the model's kernels from graphs, attention eager
-            logits = self.split.run(step, batch)
+            logits = self.split.run(step, batch, ids)
             if logits is not None:
                 return CASCADE, logits
         with torch.inference_mode():
             logits = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
                                 logits_to_keep=step.logits_indices, paged_step=step).logits[0]
         return CASCADE if step.is_cascade else step.kind, logits
+
+    def _capture(self, max_num_seqs: int, cascade: bool) -> None:
+        """Captures the decode steps of every padded batch size now, so that no user's step pays a
+        capture: flat steps, and with ``cascade`` the cascade steps' cut forwards."""
+        from tqdm.auto import tqdm
+        sizes = padded_sizes(max_num_seqs)
+        kinds = (self.graphs, self.split) if cascade else (self.graphs,)
+        with tqdm(total=len(sizes) * len(kinds), desc="Capturing CUDA graphs", unit="graph", leave=False,
+                  disable=None) as bar:  # (disable=None: no bar where stderr is not a terminal)
+            for size in sizes:
+                for graphs in kinds:
+                    graphs.graph(size)
+                    bar.update(1)
+        torch.cuda.synchronize(self.device)
 
     def _graphs_made(self) -> int:
         """CUDA graphs captured so far (flat decode steps, and cascade steps' cut forwards)."""

@@ -34,6 +34,14 @@ def padded_size(batch: int) -> int:
     return -(-batch // 64) * 64
 
 
+def padded_sizes(max_num_seqs: int) -> list[int]:
+    """Every padded size a step of at most ``max_num_seqs`` rows can run in, largest first (so the
+    smaller graphs of a shared memory pool reuse the largest one's blocks)."""
+    top = padded_size(max_num_seqs)
+    return [s for s in sorted({padded_size(b) for b in range(1, min(top, 64) + 1)} | set(range(128, top + 1, 64)),
+                              reverse=True) if s <= top]
+
+
 class _Graph:
     """One captured decode step of ``size`` rows (static buffers, plan, graph, output logits)."""
 
@@ -47,6 +55,7 @@ class _Graph:
         # (holding the padding values from the start: a warm-up must write no KV, slot -1)
         self.buffer = torch.from_numpy(self._packed()).to(dev)
         ids, pos, slots, table, lens = self._views()
+        self.ids = ids  # [1, size] int64
         self.plans = {w: pb.plan_decode(np.zeros(size, np.int64), num_q_heads=num_q_heads,
                                         num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                                         block_size=spec.block_size, device=dev, window=w) for w in windows}
@@ -81,11 +90,12 @@ class _Graph:
             at += a.nbytes
         return out
 
-    def run(self, batch) -> torch.Tensor:
-        """Replays the step for ``batch`` (decode-only, at most ``size`` rows) -> logits [B, V]."""
+    def run(self, batch, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replays the step for ``batch`` (decode-only, at most ``size`` rows) -> logits [B, V].
+        ``ids`` [B] on the device: input ids that replace ``batch.input_ids`` (a step run ahead)."""
         b = len(batch.seqs)
-        ids, pos, slots, table, lens = self.host
-        ids[0, :b], ids[0, b:] = batch.input_ids, 0
+        host_ids, pos, slots, table, lens = self.host
+        host_ids[0, :b], host_ids[0, b:] = batch.input_ids, 0
         pos[0, :b], pos[0, b:] = batch.positions, 0
         slots[:b], slots[b:] = batch.slot_mapping, -1
         cols = batch.block_tables.shape[1]
@@ -94,6 +104,8 @@ class _Graph:
         src = torch.empty(self.buffer.numel(), dtype=torch.uint8, pin_memory=self.buffer.is_cuda)  # reused once copied
         np.concatenate([a.reshape(-1).view(np.uint8) for a in self.host], out=src.numpy())
         self.buffer.copy_(src, non_blocking=True)
+        if ids is not None:
+            self.ids[0, :b].copy_(ids)
         for plan in self.plans.values():
             plan.update(lens)
         with torch.inference_mode():
@@ -114,20 +126,24 @@ class DecodeGraphs:
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
 
-    def run(self, batch) -> torch.Tensor | None:
+    def run(self, batch, ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [B, V] of a decode-only step, or None when it cannot replay (the caller runs it
-        eagerly): more rows than captured, or a table wider than ``max_model_len`` allows."""
+        eagerly): more rows than captured, or a table wider than ``max_model_len`` allows. ``ids``:
+        as in ``_Graph.run``."""
         b = len(batch.seqs)
         if b > self.max_size or batch.block_tables.shape[1] > self.width:
             return None
-        size = padded_size(b)
+        return self.graph(padded_size(b)).run(batch, ids)
+
+    def graph(self, size: int) -> _Graph:
+        """The step of ``size`` rows (a padded size), captured now if it was not yet."""
         g = self.graphs.get(size)
         if g is None:
             if self.pool is None and self.capture:
                 self.pool = torch.cuda.graph_pool_handle()
             g = self.graphs[size] = _Graph(self.model, self.cache, size, self.width, self.num_q_heads,
                                            self.max_model_len, self.pool, self.capture, self.windows)
-        return g.run(batch)
+        return g
 
 
 class PathChoice:

@@ -63,6 +63,7 @@ class RunStats:
     steps: int = 0
     decode_steps: int = 0
     cascade_steps: int = 0
+    ahead_steps: int = 0  # steps launched before the previous step's tokens were back
     prefill_time: float = 0.0
     decode_time: float = 0.0
     wall_time: float = 0.0
@@ -87,7 +88,8 @@ class RunStats:
             f"tokens     {self.prompt_tokens} prompt ({self.cached_prompt_tokens} from the prefix cache), "
             f"{self.generated_tokens} generated",
             f"time       {self.wall_time:.2f} s: prefill {self.prefill_time:.2f} s, decode {self.decode_time:.2f} s "
-            f"({self.steps} steps, {self.decode_steps} decode-only, {self.cascade_steps} cascade)",
+            f"({self.steps} steps, {self.decode_steps} decode-only, {self.cascade_steps} cascade, "
+            f"{self.ahead_steps} run ahead)",
             f"speed      {self.tokens_per_s:.1f} generated tokens/s",
             f"KV cache   peak {self.peak_kv_blocks} of {self.num_kv_blocks} blocks "
             f"({self.peak_kv_blocks * self.kv_block_bytes / mib:.1f} MiB); sharing saved up to "

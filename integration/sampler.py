@@ -23,6 +23,8 @@ import torch
 
 from paged_backend.sample import M32, gumbel_argmax, mix32, vocab_hash
 
+from .step import to_device
+
 def row_keys(seeds: np.ndarray, sample_index: np.ndarray, position: np.ndarray) -> np.ndarray:
     """[S] uint32 noise key of each sample row from its request seed (< 2^64), its index among the
     request's samples and its output position (the index of the token being drawn)."""
@@ -74,15 +76,21 @@ class Sampler:
         greedy_np = rows.temperature == 0
         tokens = torch.argmax(logits, dim=-1) if greedy_np.any() else None
         if not greedy_np.all():
-            temp = torch.from_numpy(np.where(greedy_np, 1.0, rows.temperature).astype(np.float32)).to(dev)
+            use_k = (rows.top_k > 0) & (rows.top_k < v)
+            use_p = rows.top_p < 1.0
+            # every row's settings in one asynchronous copy (a pageable one waits for the forward)
+            key, k, temp, min_p, top_p, greedy = to_device(
+                [rows.key.astype(np.int64), np.where(use_k, rows.top_k, v).astype(np.int64),
+                 np.where(greedy_np, 1.0, rows.temperature).astype(np.float32), rows.min_p.astype(np.float32),
+                 np.where(use_p, rows.top_p, np.inf).astype(np.float32), greedy_np], dev)
             x = logits / temp[:, None]
-            x = self._filter(x, rows, dev)
+            if (rows.min_p > 0).any():
+                x = _min_p(x, min_p)
+            if use_k.any() or use_p.any():
+                x = _top_k_top_p(x, k, top_p if use_p.any() else None)
             # Gumbel-max: argmax(x + g) with g = -log(-log(u)), u uniform in (0, 1) from the hash
-            drawn = gumbel_argmax(x, torch.from_numpy(rows.key.astype(np.int64)).to(dev), self._vocab_hash)
-            if tokens is None:
-                tokens = drawn
-            else:
-                tokens = torch.where(torch.from_numpy(greedy_np).to(dev), tokens, drawn)
+            drawn = gumbel_argmax(x, key, self._vocab_hash)
+            tokens = drawn if tokens is None else torch.where(greedy, tokens, drawn)
         logprobs = logits.gather(1, tokens[:, None])[:, 0] - raw_lse
         out = Sampled(tokens, logprobs)
         if rows.num_logprobs > 0:
@@ -90,31 +98,26 @@ class Sampler:
             out.top_ids, out.top_logprobs = ids, top - raw_lse[:, None]
         return out
 
-    @staticmethod
-    def _filter(x: torch.Tensor, rows: SampleRows, dev) -> torch.Tensor:
-        """x [S, V] -> x with min-p, top-k and top-p (in that order) applied as -inf; rows with all
-        three off are left alone."""
-        v = x.shape[1]
-        if (rows.min_p > 0).any():
-            min_p = torch.from_numpy(rows.min_p.astype(np.float32)).to(dev)
-            # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p)
-            floor = x.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
-            x = x.masked_fill(x < floor, float("-inf"))
-        use_k = (rows.top_k > 0) & (rows.top_k < v)
-        use_p = rows.top_p < 1.0
-        if not (use_k.any() or use_p.any()):
-            return x
-        srt, idx = torch.sort(x, dim=-1, descending=True)  # [S, V]
-        k = torch.from_numpy(np.where(use_k, rows.top_k, v).astype(np.int64)).to(dev)
-        drop = srt < srt.gather(1, k[:, None] - 1)  # below the k-th largest (ties with it stay)
-        if use_p.any():
-            p = torch.softmax(srt.masked_fill(drop, float("-inf")), dim=-1)
-            before = torch.cumsum(p, dim=-1) - p  # mass of the tokens sorted ahead
-            # a tie group takes the mass ahead of its first member: strictly more likely tokens only
-            rank = torch.arange(v, device=dev).expand_as(srt)
-            starts = torch.ones_like(drop)
-            starts[:, 1:] = srt[:, 1:] != srt[:, :-1]
-            first = torch.cummax(torch.where(starts, rank, 0), dim=-1).values
-            top_p = torch.from_numpy(np.where(use_p, rows.top_p, np.inf).astype(np.float32)).to(dev)
-            drop |= before.gather(1, first) >= top_p[:, None]  # the most likely tokens have 0 ahead
-        return x.scatter(1, idx, srt.masked_fill(drop, float("-inf")))
+
+def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """x [S, V] without the tokens under ``min_p [S]`` times the most likely one's probability."""
+    # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p)
+    floor = x.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+    return x.masked_fill(x < floor, float("-inf"))
+
+
+def _top_k_top_p(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
+    """x [S, V] with top-k (``k [S]``, V = off) then top-p (``top_p [S]``, inf = off) as -inf."""
+    v = x.shape[1]
+    srt, idx = torch.sort(x, dim=-1, descending=True)  # [S, V]
+    drop = srt < srt.gather(1, k[:, None] - 1)  # below the k-th largest (ties with it stay)
+    if top_p is not None:
+        p = torch.softmax(srt.masked_fill(drop, float("-inf")), dim=-1)
+        before = torch.cumsum(p, dim=-1) - p  # mass of the tokens sorted ahead
+        # a tie group takes the mass ahead of its first member: strictly more likely tokens only
+        rank = torch.arange(v, device=x.device).expand_as(srt)
+        starts = torch.ones_like(drop)
+        starts[:, 1:] = srt[:, 1:] != srt[:, :-1]
+        first = torch.cummax(torch.where(starts, rank, 0), dim=-1).values
+        drop |= before.gather(1, first) >= top_p[:, None]  # the most likely tokens have 0 ahead
+    return x.scatter(1, idx, srt.masked_fill(drop, float("-inf")))

@@ -78,12 +78,16 @@ class SampleBook:
             num_logprobs=max((d.logprobs for d in draws), default=0))
         return rows, fork
 
-    def record(self, batch, tokens: np.ndarray, logprobs: np.ndarray, top) -> None:
+    def record(self, batch, tokens: np.ndarray, logprobs: np.ndarray, top, stale: np.ndarray | None = None) -> None:
         """After ``postprocess``: each sampled token's log-probability (and top-k) joins its
-        sample's totals; a forked request's samples get their indices."""
+        sample's totals; a forked request's samples get their indices. ``stale [B]``: rows of
+        samples that had finished before the step (a step run ahead), whose tokens are dropped."""
         k = 0
         for i in np.flatnonzero(batch.num_samples).tolist():
             s, c = batch.seqs[i], int(batch.num_samples[i])
+            if stale is not None and stale[i]:
+                k += c
+                continue
             fam = s.group.seqs[:c] if c > 1 else (s,)
             for j, t in enumerate(fam):
                 if c > 1:

@@ -88,15 +88,18 @@ class _SplitGraph:
         torch.cuda.current_stream(device).wait_stream(side)
         self.graphs, self.calls = cuts.graphs, cuts.calls
 
-    def run(self, step, batch) -> torch.Tensor:
+    def run(self, step, batch, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replays the cut forward for ``batch`` (at most ``size`` rows), each attention through
-        ``step`` (the step's plans, cache and metadata) -> logits [B, V]."""
+        ``step`` (the step's plans, cache and metadata) -> logits [B, V]. ``ids`` [B] on the
+        device: input ids that replace ``batch.input_ids`` (a step run ahead), or None."""
         b = len(batch.seqs)
         host = self.host.numpy()
         host[0, :b], host[0, b:] = batch.input_ids, 0
         host[1, :b], host[1, b:] = batch.positions, 0
         self.ids.copy_(self.host[0:1], non_blocking=True)
         self.pos.copy_(self.host[1:2], non_blocking=True)
+        if ids is not None:
+            self.ids[0, :b].copy_(ids)
         with torch.inference_mode():
             for graph, call in zip(self.graphs, [*self.calls, None]):
                 graph.replay()
@@ -116,12 +119,20 @@ class SplitGraphs:
         self.graphs: dict[int, _SplitGraph] = {}
         self.failed: dict[int, str] = {}  # sizes whose capture raised (their steps run eagerly), and why
 
-    def run(self, step, batch) -> torch.Tensor | None:
+    def run(self, step, batch, ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [B, V] of a decode-only step whose attention runs through ``step``, or None when
-        the batch is larger than any size captured here (the caller runs the step eagerly)."""
+        the batch is larger than any size captured here (the caller runs the step eagerly).
+        ``ids``: as in ``_SplitGraph.run``."""
         b = len(batch.seqs)
-        size = padded_size(b)
-        if b > self.max_size or size in self.failed:
+        if b > self.max_size:
+            return None
+        g = self.graph(padded_size(b))
+        return None if g is None else g.run(step, batch, ids)
+
+    def graph(self, size: int) -> _SplitGraph | None:
+        """The cut forward of ``size`` rows (a padded size), captured now if it was not yet; None
+        if capturing it failed."""
+        if size in self.failed:
             return None
         g = self.graphs.get(size)
         if g is None:
@@ -131,6 +142,5 @@ class SplitGraphs:
                 self.failed[size] = str(e).splitlines()[0]
                 log.warning("cascade steps of %d rows run eagerly: capturing the model failed (%s)", size,
                             self.failed[size])
-                return None
-        return g.run(step, batch)
+        return g
 

@@ -23,6 +23,7 @@ from .sampling_params import SamplingParams
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 RUNNING, WAITING, FINISHED = SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED
+PENDING = -1  # the token id of a sample's newest token while the step drawing it is in flight
 
 
 class Scheduler:
@@ -261,22 +262,57 @@ class Scheduler:
         ol = order.tolist()
         return [ol[a:a + n] for a, n in zip(start[multi].tolist(), size[multi].tolist())]
 
+    # ---------------------------------------------------------------- a step ahead
+    def can_run_ahead(self, batch: ScheduledBatch) -> bool:
+        """Whether the next step may be scheduled before ``batch``'s tokens are back (the engine
+        runs it meanwhile, its input ids taken on the device): ``batch`` decoded every running
+        sample, nothing waits, no sample ends by length with it, and every sample has a free block
+        for its next token (no preemption). A sample that ends on EOS or a stop string with
+        ``batch`` still runs once more in the next step; that row is dropped (``postprocess``)."""
+        n = len(batch.seqs)
+        if not n or batch.num_prefill_tokens or self.waiting or self.bm.num_free_blocks < n \
+                or batch.num_samples.max() != 1:
+            return False
+        live, cap = 0, self.max_model_len
+        for g in self.running:
+            most = g.params.max_tokens
+            for s in g.seqs:
+                if s.status is RUNNING:
+                    live += 1
+                    n_next = len(s.token_ids) + 1  # with the token in flight
+                    if n_next - s.num_prompt_tokens >= most or (cap is not None and n_next >= cap):
+                        return False
+        return live == n
+
+    def run_ahead(self, batch: ScheduledBatch) -> None:
+        """Gives each sample of ``batch`` (``can_run_ahead``) its token in flight as ``PENDING``, so
+        the next ``schedule`` decodes it; ``postprocess(batch, ...)`` writes the real ids."""
+        for s in batch.seqs:
+            s.token_ids.append(PENDING)
+
     # ---------------------------------------------------------------- after the model ran
     def postprocess(self, batch: ScheduledBatch, sampled_token_ids) -> list[SequenceGroup]:
         """Append sampled tokens (sum(batch.num_samples) ids, rows in order, n consecutive ids for
-        a forking row), fork groups whose prompt ended, finish and free stopped samples.
-        Returns the groups that finished in this step."""
+        a forking row), or write them over their ``PENDING`` places; fork groups whose prompt
+        ended, finish and free stopped samples. A row of a sample that finished since the step was
+        scheduled (a step run ahead) is dropped. Returns the groups that finished in this step."""
         toks = np.asarray(sampled_token_ids, dtype=np.int64).reshape(-1).tolist()
         counts = batch.num_samples.tolist()
         if len(toks) != sum(counts):
             raise ValueError(f"expected {sum(counts)} sampled tokens, got {len(toks)}")
         done: list[SequenceGroup] = []
         k = 0
-        for s, c in zip(batch.seqs, counts):
+        for s, c, at in zip(batch.seqs, counts, batch.seq_lens.tolist()):
             if c == 0:
                 continue
             if c == 1:
-                s.token_ids.append(toks[k])
+                if s.status is FINISHED:  # ended with the step before
+                    k += 1
+                    continue
+                if at < len(s.token_ids):  # the token's place, held since the step ran ahead
+                    s.token_ids[at] = toks[k]
+                else:
+                    s.token_ids.append(toks[k])
                 self._check_stop(s, done)
             else:
                 g = s.group

@@ -199,3 +199,25 @@ def test_sampling_params_of_the_wrong_kind_and_messages_without_content_are_name
                   [{"role": "user", "content": "Hi"}, {"role": "assistant"}]], use_tqdm=False)
     with pytest.raises(ValueError, match=r"messages\[0\] has no 'role'"):
         llm.chat([{"content": "Hi"}], use_tqdm=False)
+
+
+def test_steps_run_ahead_change_no_output(llm):
+    """With async scheduling (the default) the next decode step is launched before the last one's
+    tokens are booked; the outputs - tokens, text, log-probabilities, finish reasons, stop strings,
+    EOS - equal the synchronous loop's."""
+    params = [SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=24, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40),  # runs into EOS
+              SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=18, stop=[" the", "."]),
+              SamplingParams(temperature=0.5, seed=11, max_tokens=9)]
+    runs = {}
+    try:
+        for on in (True, False):
+            llm.async_scheduling = on
+            outs = llm.generate(PROMPTS, params, use_tqdm=False)
+            runs[on] = ([(c.token_ids, c.text, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
+                         for o in outs for c in o.outputs], llm.last_stats.ahead_steps)
+    finally:
+        llm.async_scheduling = True
+    assert runs[True][1] > 5 and runs[False][1] == 0
+    assert runs[True][0] == runs[False][0]
+    assert llm.sched.bm.num_held == 0 or not llm.sched.has_unfinished()

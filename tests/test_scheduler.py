@@ -341,3 +341,84 @@ def test_import_without_torch_or_triton(tmp_path):
     # outside the repository: the installed paged_backend.scheduler, not the source folder
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# ------------------------------------------------------------------------- steps run ahead
+def _draw(batch, vocab=29):
+    """Tokens as a function of (request, sample index, position) only: the same in any step order."""
+    out = []
+    for s, c in zip(batch.seqs, batch.num_samples.tolist()):
+        pos = int(batch.seq_lens[batch.seqs.index(s)])
+        rid = int(s.group.request_id)
+        out += [(rid * 7 + j * 13 + pos * 31) % vocab for j in range(c)] if c > 1 else \
+            [(rid * 7 + s.group.seqs.index(s) * 13 + pos * 31) % vocab] * c
+    return out
+
+
+def _workload(sched):
+    for i, (prompt, n, most) in enumerate([(5, 1, 9), (11, 3, 14), (3, 2, 6), (20, 1, 25), (7, 4, 11)]):
+        sched.add_request(list(range(1, prompt + 1)), SamplingParams(n=n, max_tokens=most, stop_token_ids=[6]),
+                          request_id=str(i))
+
+
+def test_steps_run_ahead_give_the_same_outputs():
+    """An engine that schedules step t + 1 before step t's tokens are back (run_ahead, the ids of
+    its PENDING places read from step t's tokens) ends every request as the synchronous loop does,
+    with the same KV contents checked per step and every block freed."""
+    def make():
+        sched = Scheduler(BlockManager(64, 4), max_num_seqs=16, max_num_batched_tokens=32)
+        _workload(sched)
+        return sched
+
+    sync = make()
+    while sync.has_unfinished():
+        b = sync.schedule()
+        sync.postprocess(b, _draw(b))
+    want = {rid: (g.outputs, g.finish_reasons) for rid, g in sync.requests.items()}
+
+    sched, ahead, steps, stale = make(), 0, 0, 0
+    eng = FakeEngine(sched)
+    pending = None  # (batch, its tokens)
+    while pending is not None or sched.has_unfinished():
+        if pending is None:
+            b = sched.schedule()
+            pending = (b, _draw(b))
+        nxt = None
+        if sched.can_run_ahead(pending[0]):
+            sched.run_ahead(pending[0])
+            b = sched.schedule()
+            assert b.seq_ids.tolist() == pending[0].seq_ids.tolist() and not b.num_prefill_tokens
+            assert (b.input_ids == -1).all()  # every input id is in flight: the engine reads them on the device
+            b.input_ids[:] = pending[1]
+            eng.tok[b.slot_mapping] = b.input_ids
+            nxt = (b, None)
+            ahead += 1
+        stale += sum(s.status is SequenceStatus.FINISHED for s in pending[0].seqs)  # ended one step before
+        sched.postprocess(*pending)
+        check_accounting(sched)
+        if nxt is not None:
+            for i, s in enumerate(nxt[0].seqs):  # the row's input is the token now in its place
+                assert s.token_ids[int(nxt[0].seq_lens[i]) - 1] == nxt[0].input_ids[i]
+            nxt = (nxt[0], _draw(nxt[0]))
+        pending = nxt
+        steps += 1
+        assert steps < 500
+    assert ahead >= steps // 3 and stale, (ahead, steps, stale)  # a row run past its stop token was dropped
+    assert {rid: (g.outputs, g.finish_reasons) for rid, g in sched.requests.items()} == want
+    assert sched.bm.num_free_blocks == sched.bm.num_blocks and sched.bm.num_held == 0
+
+
+def test_can_run_ahead_only_in_steady_decode():
+    sched = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=32)
+    sched.add_request([1, 2, 3], SamplingParams(n=2, max_tokens=3), request_id="a")
+    b = sched.schedule()
+    assert not sched.can_run_ahead(b)  # a prefill step (it forks)
+    sched.postprocess(b, [1, 1])
+    b = sched.schedule()
+    assert sched.can_run_ahead(b)  # two samples decoding, one token each
+    sched.add_request([4, 5], SamplingParams(max_tokens=3), request_id="b")
+    assert not sched.can_run_ahead(b)  # a request waits: the next step admits it
+    sched.abort("b")
+    sched.postprocess(b, [2, 2])
+    b = sched.schedule()
+    assert not sched.can_run_ahead(b)  # both samples end by length with this step (3 tokens)
