@@ -70,7 +70,6 @@ class _SplitGraph:
         self.size = size
         self.ids = torch.zeros((1, size), dtype=torch.int64, device=device)
         self.pos = torch.zeros((1, size), dtype=torch.int64, device=device)
-        self.host = torch.zeros((2, size), dtype=torch.int64, pin_memory=True)  # ids, positions
         self.rows = torch.arange(size, device=device)  # (every input of the graphs is kept by the object)
         run = lambda cuts: model(input_ids=self.ids, position_ids=self.pos, use_cache=False,  # noqa: E731
                                  logits_to_keep=self.rows, paged_step=cuts).logits[0]
@@ -93,11 +92,13 @@ class _SplitGraph:
         ``step`` (the step's plans, cache and metadata) -> logits [B, V]. ``ids`` [B] on the
         device: input ids that replace ``batch.input_ids`` (a step run ahead), or None."""
         b = len(batch.seqs)
-        host = self.host.numpy()
-        host[0, :b], host[0, b:] = batch.input_ids, 0
-        host[1, :b], host[1, b:] = batch.positions, 0
-        self.ids.copy_(self.host[0:1], non_blocking=True)
-        self.pos.copy_(self.host[1:2], non_blocking=True)
+        # A fresh pinned buffer a step: the host may write the next step's while this copy waits
+        # in the stream (async scheduling); torch's pinned cache gives it out again once copied.
+        src = torch.zeros((2, self.size), dtype=torch.int64, pin_memory=self.ids.is_cuda)  # ids, positions
+        host = src.numpy()
+        host[0, :b], host[1, :b] = batch.input_ids, batch.positions
+        self.ids.copy_(src[0:1], non_blocking=True)
+        self.pos.copy_(src[1:2], non_blocking=True)
         if ids is not None:
             self.ids[0, :b].copy_(ids)
         with torch.inference_mode():
