@@ -140,14 +140,17 @@ def test_gpu_cascade_steps_from_split_graphs_match_eager(family, dtype):
     model = tiny(family, seed=1)
     prompts = [{"prompt_token_ids": list(range(3, 3 + 50))}, {"prompt_token_ids": list(range(7, 7 + 35))}]
     params = [SamplingParams(n=4, temperature=0, max_tokens=m) for m in (14, 6)]
-    kw = dict(device="cuda", dtype=dtype, num_blocks=96, cascade=CascadeCost(0, 0, 0))
+    kw = dict(device="cuda", dtype=dtype, num_blocks=96, cascade=CascadeCost(0, 0, 0), max_num_seqs=8)
     eager = LLM(model, enforce_eager=True, **kw)
     want = [[c.token_ids for c in o.outputs] for o in eager.generate(prompts, params, use_tqdm=False)]
     llm = LLM(model, **kw)
+    # every padded size captured when the engine started (flat and cut forwards), none during a call
+    assert set(llm.split.graphs) == set(llm.graphs.graphs) == {8, 4, 2, 1} and not llm.split.failed
+    made = llm._graphs_made()
     llm.choice.PROBES = 10 ** 9  # every decode step with shared blocks takes the cascade
     got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    assert llm.last_stats.cascade_steps >= 10 and set(llm.split.graphs) == {8, 4} and not llm.split.failed
+    assert llm.last_stats.cascade_steps >= 10 and llm._graphs_made() == made
 
 
 def test_cascade_decode_in_the_engine_matches_flat():
