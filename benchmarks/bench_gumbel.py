@@ -1,7 +1,7 @@
-"""The engine's Gumbel-max draw: the fused kernel (``kernels/sample.py``) against the torch ops it
-replaced (``paged_backend.sample.gumbel_argmax_torch``), same inputs, same tokens checked first.
+"""The engine's Gumbel-max draw: the fused kernel (``kernels/gumbel.py``) against the torch ops it
+replaced (``paged_backend.gumbel.gumbel_argmax_torch``), same inputs, same tokens checked first.
 
-    python3 benchmarks/bench_sample.py [--quick] [--out R.json] [--md R.md]
+    python3 benchmarks/bench_gumbel.py [--quick] [--out R.json] [--md R.md]
 
 Rows x vocabulary: 64 x 128256 (Llama 3), 64 x 49152 (SmolLM2), 256 x 128256. us per draw.
 """
@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
-from paged_backend.sample import gumbel_argmax, gumbel_argmax_torch, vocab_hash  # noqa: E402
+from paged_backend.gumbel import gumbel_argmax, gumbel_argmax_torch, vocab_hash  # noqa: E402
 
 BENCH = "sample"
 CASES = [(64, 128256), (64, 49152), (256, 128256)]

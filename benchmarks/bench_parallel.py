@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import paged_backend as pb  # noqa: E402
-from paged_backend.context_parallel import (Placement, cp_decode, ring_bytes_per_step, ring_decode,  # noqa: E402
+from paged_backend.parallel.context import (Placement, cp_decode, ring_bytes_per_step, ring_decode,  # noqa: E402
                                             shard_paged_kv)
 from paged_backend.parallel import make_hierarchy, pick_strategy  # noqa: E402
 from merge_timing import summary_lines, time_ops, time_strategies, tree_bytes  # noqa: E402

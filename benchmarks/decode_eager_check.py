@@ -32,7 +32,7 @@ the call's last launch than the memset runs (``flush`` below): the line "eager i
 host + flush_host > flush_gpu" says where that threshold is on this machine. The cell also counts
 the host time of ``end_event.record()`` whenever the GPU is done before it: do_bench makes two new
 timing events per timed call, and a new event is created at its first record (a driver call that
-took ~45 us on an H100 host, paged_backend/plan.py). bench_decode times ``ours_sk`` first in each
+took ~45 us on an H100 host, paged_backend/decode_plan.py). bench_decode times ``ours_sk`` first in each
 case's fresh process, so if that creation is slow until the driver has events to reuse, the first
 do_bench of a process (ours_sk's eager cell) pays it and the later ones (ours_split, FlashInfer, the
 graph cells) do not. Hence: B1x8K sk is this process's first do_bench, as in bench_decode, and

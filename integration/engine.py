@@ -31,7 +31,7 @@ from .kv_cache import KVCacheSpec, PagedKVCache, blocks_for
 from .outputs import RequestOutput, RunStats
 from .requests import Request, RequestMaker, chat_prompts
 from .sampler import Sampler
-from .samples import SampleBook
+from .sample_book import SampleBook
 from .split_graphs import SplitGraphs
 from .step import CASCADE, StepBuilder
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paged_backend.sample import M32, gumbel_argmax, mix32, vocab_hash
+from paged_backend.gumbel import M32, gumbel_argmax, mix32, vocab_hash
 
 from .step import to_device
 

@@ -17,7 +17,7 @@ Three launches, all with grids fixed by the plan:
 On Hopper and later the three run on one stream chained by programmatic dependent launch: the
 tails start while the node kernel runs (they write other slots) and finish after it; the merge
 starts during the tails and waits for their writes. Elsewhere nodes and tails run on two streams.
-On sm_90, plans with fused lists (paged_backend/cascade_fused.py ``fused_order``) run the node
+On sm_90, plans with fused lists (paged_backend/cascade/fused.py ``fused_order``) run the node
 and tail pieces in one launch of the Hopper kernel (kernels/cascade_sm90.py), then the merge.
 """
 from __future__ import annotations

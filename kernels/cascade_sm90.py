@@ -10,7 +10,7 @@ count ring tiles across pieces. Piece ranges start on a page or on a multiple of
 ``node_block_n`` (64) inside a node whose keys are whole shared pages, so page boxes of
 ``min(BS, 64)`` rows never straddle a page, and boxes past a range's end load zeros.
 
-``TAILS``: the programs run the plan's ``fused_items`` (paged_backend/cascade_fused.py
+``TAILS``: the programs run the plan's ``fused_items`` (paged_backend/cascade/fused.py
 ``fused_order``), node pieces and the private tails' pieces together, and the decode kernel does not
 run. A tail piece is a row block of one request (its ``GP`` heads), run by one consumer warpgroup
 (by the piece's parity: two consecutive tail pieces run side by side) while the other only releases

@@ -3,7 +3,7 @@
 The ``Hq / Hkv`` query heads that share a KV head are the rows of one tile (padded to >= 16 for
 ``tl.dot``), so each K/V tile is read once per group. Pages are looked up per token
 (``block_table[b, n // BS]``, row ``n % BS``), so any power-of-two block size works and any cache
-strides are accepted. Work comes from a :class:`paged_backend.plan.DecodePlan`: each program runs
+strides are accepted. Work comes from a :class:`paged_backend.decode_plan.DecodePlan`: each program runs
 its pieces ``(request, kv_head, token range)`` in order (persistent stream-K, or one piece per
 program for split-KV) and the pieces of a split segment are reduced in a fixed order.
 """

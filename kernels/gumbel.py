@@ -5,7 +5,7 @@ counter-based hash of the row's key and the token id::
     h = mix32(key[s] ^ vocab_hash[v]);  u = ((h >> 9) + 0.5) / 2^23
 
 ``u`` is exact in fp32 and strictly inside (0, 1) (23 random bits: 24 would round the last
-bucket to 1, an infinite noise). ``mix32`` is murmur3's 32-bit finaliser (``paged_backend/sample.py``: the op, its torch version and
+bucket to 1, an infinite noise). ``mix32`` is murmur3's 32-bit finaliser (``paged_backend/gumbel.py``: the op, its torch version and
 the hashes). One pass over ``x`` instead of a dozen [S, V] int64 and fp32 tensors (64 rows x 128K
 tokens on an H100: ~1 ms of elementwise kernels a step). Ties resolve to the lowest token id, as
 ``torch.argmax``.
@@ -62,7 +62,7 @@ def _gumbel_argmax_kernel(x_ptr, key_ptr, vhash_ptr, best_ptr, arg_ptr, S, V, st
 
 
 def gumbel_argmax_triton(x: torch.Tensor, keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
-    """The draw of ``paged_backend.sample.gumbel_argmax`` (inputs checked there): x [S, V] fp32 with
+    """The draw of ``paged_backend.gumbel.gumbel_argmax`` (inputs checked there): x [S, V] fp32 with
     unit stride along V, keys [S] and vocab_hash [V] int64 -> tokens [S] int64."""
     s, v = x.shape
     block_v = min(BLOCK, triton.next_power_of_2(v))

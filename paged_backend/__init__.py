@@ -17,7 +17,7 @@ _EXPORTS = {
     "write_kv": "cache", "copy_blocks": "cache",
     "paged_decode": "decode",
     "merge_states": "merge", "merge_states_many": "merge",
-    "plan_decode": "plan", "DecodePlan": "plan",
+    "plan_decode": "decode_plan", "DecodePlan": "decode_plan",
     "plan_cascade": "cascade", "cascade_decode": "cascade", "CascadePlan": "cascade",
     "paged_prefill": "prefill",
 }

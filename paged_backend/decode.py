@@ -9,10 +9,10 @@ import torch
 from paged_backend.kernels.checks import (FLOAT_DTYPES, FP8_DTYPES, HEAD_DIMS, check_kv_scales, check_attention_inputs, check_block_table, check_plan_matches,
                             check_plan_window, check_scale, check_shape, check_sinks, check_softcap, check_tensor,
                             check_window, debug_enabled)
-from paged_backend.plan import check_plan_covers
+from paged_backend.decode_plan import check_plan_covers
 from paged_backend.kernels.decode import decode_torch, decode_triton
 from paged_backend.kernels.dispatch import use_triton
-from paged_backend.plan import DecodePlan, plan_decode
+from paged_backend.decode_plan import DecodePlan, plan_decode
 
 
 @lru_cache(maxsize=32)

@@ -8,7 +8,7 @@ does not depend on the batch it runs in. ``u`` takes 2^23 equally likely values,
 fp32 and strictly inside (0, 1), so the noise is finite: with 24 bits the last bucket's
 ``2^24 - 0.5`` rounds to ``2^24``, ``u`` to 1 and the noise to +inf, and that token won whatever
 its logit (a filtered token too: ``-inf + inf`` is NaN, which ``argmax`` picks). Ties go to the lowest token id. Triton (one fused pass,
-``kernels/sample.py``) on CUDA tensors and under ``TRITON_INTERPRET=1``; the torch version below
+``kernels/gumbel.py``) on CUDA tensors and under ``TRITON_INTERPRET=1``; the torch version below
 elsewhere, with the same bits on the GPU (libdevice's ``logf`` is torch's CUDA ``log``).
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor, vocab_hash: torch.Tensor)
     if s == 0:
         return torch.zeros(0, dtype=torch.int64, device=x.device)
     if use_triton(x):
-        from paged_backend.kernels.sample import gumbel_argmax_triton
+        from paged_backend.kernels.gumbel import gumbel_argmax_triton
         return gumbel_argmax_triton(x.contiguous(), keys, vocab_hash)
     return gumbel_argmax_torch(x, keys, vocab_hash)
 

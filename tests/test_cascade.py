@@ -10,8 +10,8 @@ import torch
 
 import paged_backend as pb
 from paged_backend.kernels.dispatch import INTERPRET
-from paged_backend.cascade_forest import auto_forest
-from paged_backend.cascade_plan import CascadeCost
+from paged_backend.cascade.forest import auto_forest
+from paged_backend.cascade.plan import CascadeCost
 from tests.paged_inputs import make_cache
 from tests.reference import assert_close_state, decode_reference
 

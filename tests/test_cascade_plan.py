@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import paged_backend as pb
-from paged_backend import cascade_forest as cf
-from paged_backend import cascade_fused as cfused
-from paged_backend import cascade_partition as cpart
-from paged_backend.cascade_forest import auto_forest
-from paged_backend.cascade_plan import LEAF_FIELDS, NODE_FIELDS, CascadeCost
-from paged_backend.plan import cut_pieces
+from paged_backend.cascade import forest as cf
+from paged_backend.cascade import fused as cfused
+from paged_backend.cascade import partition as cpart
+from paged_backend.cascade.forest import auto_forest
+from paged_backend.cascade.plan import LEAF_FIELDS, NODE_FIELDS, CascadeCost
+from paged_backend.decode_plan import cut_pieces
 from tests.test_cascade import check_exact, forest_inputs, random_forest
 
 

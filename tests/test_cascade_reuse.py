@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import paged_backend as pb
-from paged_backend.cascade_plan import CascadeCost
+from paged_backend.cascade.plan import CascadeCost
 from tests.test_cascade import check_exact, forest_inputs, random_forest
 from tests.test_cascade_plan import check_partition, grow, long_forest
 

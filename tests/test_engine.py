@@ -168,9 +168,9 @@ def test_a_request_with_a_bad_seed_fails_alone(llm):
 
 def test_a_request_whose_draw_settings_fail_is_aborted_alone(llm, monkeypatch):
     """Any failure of a request's per-request sampling setup ends that request only."""
-    from paged_backend.integration import samples
-    real = samples.draw_of
-    monkeypatch.setattr(samples, "draw_of", lambda r: (_ for _ in ()).throw(TypeError("poisoned"))
+    from paged_backend.integration import sample_book
+    real = sample_book.draw_of
+    monkeypatch.setattr(sample_book, "draw_of", lambda r: (_ for _ in ()).throw(TypeError("poisoned"))
                         if r.request_id == "bad" else real(r))
     p = SamplingParams(temperature=0.8, max_tokens=3, seed=7)
     want = llm.generate(PROMPTS[0], p, use_tqdm=False)[0].outputs[0].token_ids

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import paged_backend as pb
-from paged_backend.cascade_plan import CascadeCost
+from paged_backend.cascade.plan import CascadeCost
 from paged_backend.kernels.dispatch import INTERPRET
 from tests.paged_inputs import make_block_table
 from tests.reference import assert_close_state, decode_reference, prefill_reference

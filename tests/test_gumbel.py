@@ -1,10 +1,10 @@
-"""gumbel_argmax (kernels/sample.py) against its torch version: the same tokens (bitwise on the GPU);
+"""gumbel_argmax (kernels/gumbel.py) against its torch version: the same tokens (bitwise on the GPU);
 the noise finite for every hash (keys crafted to hit the last bucket); bad inputs refused with the
 argument named."""
 import pytest
 import torch
 
-from paged_backend.sample import M32, gumbel_argmax, gumbel_argmax_torch, mix32, vocab_hash
+from paged_backend.gumbel import M32, gumbel_argmax, gumbel_argmax_torch, mix32, vocab_hash
 
 pytestmark = pytest.mark.kernel
 

@@ -16,7 +16,7 @@ from paged_backend.kernels.cascade import _cascade_node_kernel
 from paged_backend.kernels.decode import _decode_kernel, _fold_states_kernel
 from paged_backend.kernels.dispatch import INTERPRET, use_sm90
 from paged_backend.cascade import cascade_node_kernel_name
-from paged_backend.cascade_plan import CascadeCost
+from paged_backend.cascade.plan import CascadeCost
 from paged_inputs import make_cache, make_decode_inputs
 
 

@@ -1,4 +1,4 @@
-"""The eager CUDA-graph path of TreeMerger (``paged_backend.merge_plans.MergeGraph``) and the
+"""The eager CUDA-graph path of TreeMerger (``paged_backend.parallel.merge_plans.MergeGraph``) and the
 producer writing into the send buffer.
 
 CPU (gloo) ranks use a stand-in graph whose ``replay()`` runs the plan's body eagerly: it checks
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import paged_backend as pb
-from paged_backend import parallel
-from paged_backend.context_parallel import Placement, cp_decode, shard_paged_kv
-from paged_backend.merge_plans import GatherPlan, MergeGraph
+from paged_backend.parallel import tree
+from paged_backend.parallel.context import Placement, cp_decode, shard_paged_kv
+from paged_backend.parallel.merge_plans import GatherPlan, MergeGraph
 from paged_backend.parallel import TreeMerger, get_merger
 from paged_inputs import make_decode_inputs
 from reference import assert_close_state, decode_reference
@@ -72,7 +72,7 @@ def _job_graph_logic(rank, world):
     os.environ["PAGED_BACKEND_DEBUG"] = "0"
     capturing = [False]
     fail_rank = [None]
-    parallel.try_capture = lambda plan, group: None if rank == fail_rank[0] else _EagerGraph(plan, group)
+    tree.try_capture = lambda plan, group: None if rank == fail_rank[0] else _EagerGraph(plan, group)
     torch.cuda.is_current_stream_capturing = lambda: capturing[0]
     o, lse, _, _, _, _ = _rank_states(rank, world, [3, 17, 40, 1], 4, 2, 16, 1.0, 7)
     data = [(o, lse), (o.flip(0).contiguous(), lse.flip(0).contiguous()), (o * 0.5, lse - 1.0), (o, lse)]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import paged_backend as pb
-from paged_backend.cascade_plan import CascadeCost
+from paged_backend.cascade.plan import CascadeCost
 from paged_backend.kernels.dispatch import use_sm90
 from paged_backend.prefill import prefill_kernel_name
 from paged_inputs import make_cache, make_decode_inputs, pad_table, poison_outside, strided

@@ -22,9 +22,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import paged_backend as pb
-from paged_backend.context_parallel import (Placement, cp_decode, make_mesh, ring_decode, shard_paged_kv,
+from paged_backend.parallel.context import (Placement, cp_decode, make_mesh, ring_decode, shard_paged_kv,
                                             tp_head_slices)
-from paged_backend import merge_plans
+from paged_backend.parallel import merge_plans
 from paged_backend.parallel import CollectiveError, TreeMerger, get_merger, make_hierarchy, tree_merge
 from paged_inputs import make_decode_inputs, poison_outside, strided
 from reference import attend, assert_close_state, decode_reference, rel_err
@@ -254,9 +254,9 @@ def _check_cp_cascade(rank, world):
     """Cascade on each rank + tree_merge: a shared prefix stays shared (and leading) on every rank."""
     if not hasattr(pb, "cascade_decode"):
         return
-    from paged_backend.context_parallel import cp_cascade_decode
+    from paged_backend.parallel.context import cp_cascade_decode
     try:
-        from paged_backend.cascade_plan import CascadeCost
+        from paged_backend.cascade.plan import CascadeCost
         cost = dict(cost=CascadeCost(0, 0, 0))  # keep every shared block, however small
     except ImportError:
         cost = {}
@@ -276,7 +276,7 @@ def _check_cp_cascade(rank, world):
 def _check_cp_features(rank, world):
     """Soft-capping, sinks (added once, to the merged state) and fp8 shards on the parallel path,
     flat and cascade; a window is refused (shards hold round-robin blocks)."""
-    from paged_backend.context_parallel import cp_cascade_decode
+    from paged_backend.parallel.context import cp_cascade_decode
     pl = Placement(world, rank, 16)
     torch.manual_seed(8)
     q, k, v, bt, sl = make_decode_inputs([1, 40, 200, 0], 8, 2, 64, 16, torch.float32, q_scale=4.0)

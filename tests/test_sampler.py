@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from paged_backend.integration.sampler import SampleRows, Sampler, row_keys
-from paged_backend.sample import mix32
+from paged_backend.gumbel import mix32
 
 
 def rows(s, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, keys=None, num_logprobs=0):

@@ -6,7 +6,7 @@ import torch
 
 from paged_backend.integration.requests import Request
 from paged_backend.integration.sampler import Sampler
-from paged_backend.integration.samples import SampleBook
+from paged_backend.integration.sample_book import SampleBook
 from paged_backend.scheduler import SamplingParams
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import paged_backend as pb
-from paged_backend.cascade_plan import CascadeCost
+from paged_backend.cascade.plan import CascadeCost
 from tests.paged_inputs import make_block_table, make_cache, make_decode_inputs
 from tests.reference import assert_close_state, decode_reference, prefill_reference, rel_err
 

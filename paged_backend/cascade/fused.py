@@ -52,7 +52,7 @@ def lockstep(units: np.ndarray, per_node: np.ndarray, grid: int) -> int:
 
 def lockstep_pieces(units: int, n_seg: int, k: int, grid: int):
     """``n_seg`` segments of ``units`` each cut into ``k`` pieces, piece ``i`` the only one of program
-    ``i`` (programs ``k * n_seg ..`` get none). -> as :func:`paged_backend.plan.cut_pieces`."""
+    ``i`` (programs ``k * n_seg ..`` get none). -> as :func:`paged_backend.decode_plan.cut_pieces`."""
     part = np.tile(np.arange(k), n_seg)  # [P] each piece's place in its segment
     cut_at = (part > 0).nonzero()[0]
     return (np.arange(n_seg).repeat(k), np.arange(n_seg + 1) * k, np.minimum(np.arange(grid + 1), n_seg * k),

@@ -3,7 +3,7 @@
 A prefix shared by n requests (found from identical leading block ids, or given by the scheduler
 as groups) is read once and attended by all n requests as one tensor-core GEMM, spread stream-K
 over the GPU; each request's private tail runs as decode; the states merge exactly. See
-docs/cascade.md and :mod:`paged_backend.cascade_plan` (the plan itself; its arguments are checked here).
+docs/cascade.md and :mod:`paged_backend.cascade.plan` (the plan itself; its arguments are checked here).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from paged_backend.kernels.checks import (HEAD_DIMS, check_attention_inputs, che
                                          check_window)
 from paged_backend.kernels.decode import decode_triton
 from paged_backend.kernels.dispatch import use_triton
-from paged_backend.cascade_plan import CascadeCost, CascadePlan, build_plan
+from paged_backend.cascade.plan import CascadeCost, CascadePlan, build_plan
 
 __all__ = ["CascadePlan", "CascadeCost", "plan_cascade", "cascade_decode"]
 
@@ -100,7 +100,7 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
     tails, one piece each); else the partition is redone. Without ``forest_rows`` the batch is the
     same (same requests in the same order). ``forest_rows [B]``: the batch lost requests since (or
     was reordered): each request's batch index in ``forest``'s step, distinct; its nodes are kept
-    with the members left (see :mod:`paged_backend.cascade_reuse`). ``-1`` marks a request new since
+    with the members left (see :mod:`paged_backend.cascade.reuse`). ``-1`` marks a request new since
     then: with one, the forest is found anew (as without ``forest``). Each request must still hold
     its shared blocks in full, and every member's last shared block is compared with its node's (the
     whole shared ranges with ``PAGED_BACKEND_DEBUG=1``).

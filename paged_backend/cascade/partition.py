@@ -10,16 +10,16 @@ pieces and the merge lists, packed into one int32 array that is copied to the de
 - On Hopper, plans of 128-row node tiles also get one list of both kinds of pieces per node program
   (``fused_items``, ``fused_prog_ptr``), which the Hopper kernel runs in one launch
   (kernels/cascade_sm90.py); the slots are the same, so other kernels ignore the lists. Their node
-  segments are cut in lockstep where they are equally long, not stream-K (:mod:`paged_backend.cascade_fused`).
+  segments are cut in lockstep where they are equally long, not stream-K (:mod:`paged_backend.cascade.fused`).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from paged_backend.cascade_fused import FUSED_BLOCK_M, fused_order, fuses, lockstep, lockstep_pieces
+from paged_backend.cascade.fused import FUSED_BLOCK_M, fused_order, fuses, lockstep, lockstep_pieces
 from paged_backend.kernels.dispatch import num_sms
-from paged_backend.plan import cut_pieces
+from paged_backend.decode_plan import cut_pieces
 
 NODE_FIELDS = 7  # (rep request, kv_head, member base, members in block, token_start, token_end, slot base)
 LEAF_FIELDS = 5  # (request, kv_head, token_start, token_end, slot) - the decode kernel's pieces
@@ -76,7 +76,7 @@ def _node_grid(node_programs, sms: int, block_m: int) -> int:
 def _same_tails(plan, forest, gl: int) -> bool:
     """The same requests have tails as in ``forest``, one piece per (request, kv_head) then and now
     (so the same pieces, programs and merge lists: only the tails' lengths differ). With fused lists
-    (``cascade_fused.fused_order``) the tails are cut over the node programs, and those lists must be the same."""
+    (``fused.fused_order``) the tails are cut over the node programs, and those lists must be the same."""
     lens, shared, hkv = plan.seq_lens_host, plan.tail_start(), plan.num_kv_heads
     live = lens > shared
     n = int(np.count_nonzero(live))
@@ -131,7 +131,7 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
         tail_cut = cut_pieces(-(-(lens[live] - shared[live]) // bn), g128, hkv)
         fusable = not (tail_cut[4] * bn % min(plan.block_size, 64)).any()
     # Fused 128-row tiles in lockstep (k pieces a node segment) beat the tiles chosen for the portable
-    # kernel on every plan measured (cascade_fused.py): 256-row ones (32768/256/256) and those of 16-64
+    # kernel on every plan measured (cascade/fused.py): 256-row ones (32768/256/256) and those of 16-64
     # rows (32768/16/512, 131072/8/1024)
     k = lockstep(units, hkv * -(-sizes * gp // FUSED_BLOCK_M), g128) if fusable else 0
     if k:

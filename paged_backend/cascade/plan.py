@@ -2,7 +2,7 @@
 
 Sharing is found from the block tables themselves: requests whose leading *full* blocks hold the
 same block ids read the same K/V there (a partially filled last block is never shared). The forest
-(:mod:`paged_backend.cascade_forest`) is a compressed trie over the rows' full blocks, built level
+(:mod:`paged_backend.cascade.forest`) is a compressed trie over the rows' full blocks, built level
 by level with vectorised numpy: rows grouped by a block id, each compared id by id against its
 group's leader to the group's depth, then sub-grouped by the block at that depth. A cost model
 (:class:`CascadeCost`) folds a node that does not pay off into its children as nodes are produced
@@ -11,7 +11,7 @@ group's leader to the group's depth, then sub-grouped by the block at that depth
 - the token ranges ``[start, end)`` of its kept ancestor nodes (disjoint, block aligned), and
 - its private tail ``[shared_len, seq_len)``, run by the decode kernel.
 
-The partition (:mod:`paged_backend.cascade_partition`: stream-K over the GPU for both the node
+The partition (:mod:`paged_backend.cascade.partition`: stream-K over the GPU for both the node
 GEMMs and the leaf decode pieces) and the merge lists are packed into one int32 array and copied to
 the device once per step.
 """
@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from paged_backend.kernels.checks import debug_enabled
-from paged_backend.cascade_forest import auto_forest, group_forest
-from paged_backend.cascade_partition import LEAF_FIELDS, NODE_FIELDS, partition, staging, upload
-from paged_backend.cascade_reuse import check_held, restrict_forest
-from paged_backend.plan import block_n_for, plan_decode
+from paged_backend.cascade.forest import auto_forest, group_forest
+from paged_backend.cascade.partition import LEAF_FIELDS, NODE_FIELDS, partition, staging, upload
+from paged_backend.cascade.reuse import check_held, restrict_forest
+from paged_backend.decode_plan import block_n_for, plan_decode
 
 __all__ = ["CascadeCost", "CascadePlan", "build_plan", "NODE_FIELDS", "LEAF_FIELDS"]
 

@@ -33,8 +33,8 @@ import torch.distributed as dist
 import paged_backend as pb
 from paged_backend.kernels.attend import sink_states
 from paged_backend.kernels.checks import FLOAT_DTYPES, check_kv_cache, check_sinks, check_tensor, debug_enabled
-from paged_backend.parallel import CollectiveError, all_gather_flat, collective, get_merger, grid_groups
-from paged_backend.parallel import tree_merge  # noqa: F401 (re-exported, as before)
+from paged_backend.parallel.merge_plans import CollectiveError, all_gather_flat, collective
+from paged_backend.parallel.tree import get_merger, grid_groups
 
 
 def _pos_int(name, v):

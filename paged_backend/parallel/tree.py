@@ -21,7 +21,7 @@ Per call, :class:`TreeMerger` (what :func:`tree_merge` uses, cached per group/st
 reuses per-shape buffers and launches: all-gather = 1 pack copy + the collective + 1 merge kernel
 reading the gathered buffer in place; all-reduce = 1 copy + 2 collectives + 2 fused kernels
 (``kernels.merge``). No host syncs, so a warmed-up call can be captured in a CUDA graph. Eager
-calls on NCCL replay a per-shape CUDA graph of that sequence (:mod:`paged_backend.merge_plans`;
+calls on NCCL replay a per-shape CUDA graph of that sequence (:mod:`paged_backend.parallel.merge_plans`;
 see :class:`TreeMerger`).
 
 Hierarchical: ``hierarchy=(intra, inter)`` (see :func:`make_hierarchy`) merges inside the node
@@ -37,8 +37,7 @@ import torch
 import torch.distributed as dist
 
 from paged_backend.kernels.checks import FLOAT_DTYPES, check_shape, check_tensor, debug_enabled
-from paged_backend.merge_plans import CollectiveError  # noqa: F401 (public here, as before)
-from paged_backend.merge_plans import GatherPlan, ReducePlan, all_gather_flat, collective, try_capture
+from paged_backend.parallel.merge_plans import GatherPlan, ReducePlan, all_gather_flat, collective, try_capture
 
 STRATEGIES = ("auto", "allreduce", "allgather")
 ALLGATHER_MAX_BYTES = int(os.environ.get("PAGED_BACKEND_ALLGATHER_MAX_BYTES", 256 * 1024))

@@ -1,0 +1,11 @@
+"""Cascade (shared-prefix) decode: ``plan_cascade`` once per step, ``cascade_decode`` per layer.
+
+Modules: ``ops`` (the two public ops and their argument checks), ``plan`` (the plan and its cost
+model), ``forest`` (sharing found from the block tables), ``reuse`` (a forest kept across decode
+steps), ``partition`` (the stream-K work split and the device buffers), ``fused`` (the Hopper
+kernel's lockstep lists). See docs/cascade.md.
+"""
+from paged_backend.cascade.ops import (CascadeCost, CascadePlan, cascade_decode, cascade_node_kernel_name,
+                                       plan_cascade)
+
+__all__ = ["CascadePlan", "CascadeCost", "plan_cascade", "cascade_decode", "cascade_node_kernel_name"]
