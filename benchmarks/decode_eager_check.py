@@ -62,6 +62,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
+import common as C  # noqa: E402
 import paged_backend as pb  # noqa: E402
 from paged_backend.kernels import decode as KD  # noqa: E402
 from paged_backend.kernels import launch as KL  # noqa: E402
@@ -149,24 +150,6 @@ def bench_pre_us(fn, n=400) -> float:
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
-
-
-def graph_us(fns, calls=10) -> float:
-    seq = [fns[i % len(fns)] for i in range(max(calls, len(fns)))]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in seq:
-            fn()
-    torch.cuda.synchronize()
-    us = bench_us(graph.replay) / len(seq)
-    del graph
-    return us
 
 
 def host_us(fn, calls=1000, chunk=100) -> dict:
@@ -382,7 +365,7 @@ def run_case(name, lens, args) -> dict:
         rec[p]["eager_pre"] = bench_pre_us(rot[p])
     for p in PLANS:
         try:
-            rec[p]["graph"] = graph_us(fns[p])
+            rec[p]["graph"] = C.graph_time_us(fns[p])
         except Exception as e:
             rec[p]["graph_error"] = str(e)[:100]
     for p in PLANS:
@@ -414,7 +397,7 @@ def pdl_ab(args) -> dict:
                 fns = make_fns(bt, sl, sets, make_plan(lens, MODE[p]))
                 fns[0]()
                 torch.cuda.synchronize()
-                res[(pdl, p)] = (bench_us(rotate(fns)), graph_us(fns), host_us(rotate(fns), calls=500)["host"])
+                res[(pdl, p)] = (bench_us(rotate(fns)), C.graph_time_us(fns), host_us(rotate(fns), calls=500)["host"])
     finally:
         if old is None:
             os.environ.pop("PAGED_BACKEND_PDL", None)
