@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import paged_backend as pb
+from paged_backend.decode_plan import NO_SPLIT_SLACK
 
 
 def host_arrays(plan):
@@ -77,7 +78,7 @@ def reference_partition(lens, hkv, g, bn, mode):
         bounds = [x for s, u in enumerate(seg_units) for x in range(starts[s], starts[s + 1], -(-u // chunks))]
         bounds.append(total)
         num_programs = g + n_seg
-    elif n_seg >= g and -(-n_seg // g) * max(seg_units) <= pb.plan.NO_SPLIT_SLACK * total / g:
+    elif n_seg >= g and -(-n_seg // g) * max(seg_units) <= NO_SPLIT_SLACK * total / g:
         bounds, num_programs = [starts[i * n_seg // g] for i in range(g + 1)], g  # whole segments
     else:
         bounds, num_programs = [i * total // g for i in range(g + 1)], g  # even cut
