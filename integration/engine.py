@@ -232,6 +232,7 @@ class LLM:
         t0 = time.perf_counter()
         captured = self._graphs_made()
         events = _events(self.device) if self.profile else None
+        threads = _serial_cpu_step(self.device, batch.num_tokens)
         try:
             self.cache.copy_blocks(batch.block_copies)
             kind, logits = self._forward(batch, events is not None, None if prev is None else prev.tokens)  # [R, V]
@@ -252,6 +253,9 @@ class LLM:
                 prev.wait()
             self._new_scheduler()  # the step's KV may be half written: drop every block and cached prefix
             raise
+        finally:
+            if threads:
+                torch.set_num_threads(threads)
 
     def _finish(self, step: Launched, stats: RunStats):
         """Waits for ``step``'s tokens and books them -> the groups that finished."""
@@ -348,6 +352,28 @@ class LLM:
         self._preemptions_before = 0
         self._live: dict[str, Request] = {}  # requests added and not finished
         self.samples = SampleBook()
+
+
+# On the CPU a step of fewer tokens than this (decode of a few sequences) runs on one thread: its
+# matrix-vector products are memory-bound and MKL runs them on one thread anyway (2 cores: the
+# same time at 1 or 2 threads; from 8 rows on, 2 threads pay), while each parallel region of the
+# step's small ops (attention, the sampler's reductions) wakes or spins the other OpenMP thread.
+# With OpenMP's default wait policy that thread spins between regions and steals a busy host's
+# other core: SmolLM2-135M, 2 cores with one core loaded, 8 -> 23 tok/s (transformers' generate
+# at 2 threads: 8.5); an idle host runs at the same speed either way.
+CPU_SERIAL_TOKENS = 8
+
+
+def _serial_cpu_step(device: torch.device, num_tokens: int) -> int:
+    """On the CPU, for a step of fewer than ``CPU_SERIAL_TOKENS`` tokens: torch's intra-op threads
+    set to 1 -> the count to restore after the step; otherwise 0 (nothing changed)."""
+    if device.type != "cpu" or num_tokens >= CPU_SERIAL_TOKENS:
+        return 0
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return 0
+    torch.set_num_threads(1)
+    return threads
 
 
 def _events(device: torch.device):

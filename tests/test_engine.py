@@ -221,3 +221,52 @@ def test_steps_run_ahead_change_no_output(llm):
     assert runs[True][1] > 5 and runs[False][1] == 0
     assert runs[True][0] == runs[False][0]
     assert llm.sched.bm.num_held == 0 or not llm.sched.has_unfinished()
+
+
+def test_cpu_steps_skip_the_public_ops_and_match_them(llm, monkeypatch):
+    """On the CPU a decode or prefill step's attention calls the torch code directly (where keys lie
+    worked out once per step, not per layer; no pb.write_kv / pb.paged_decode / pb.paged_prefill
+    with their input checks), and its outputs equal those of the public ops' path exactly:
+    greedy and seeded samples, log-probabilities included."""
+    import paged_backend as pb
+    from paged_backend.integration import hf_attention
+    calls = {"public": 0, "decode_plans": 0, "prefill_plans": 0}
+    for name in ("write_kv", "paged_decode", "paged_prefill"):
+        real = getattr(pb, name)
+        monkeypatch.setattr(pb, name, lambda *a, _real=real, **k: calls.__setitem__("public", calls["public"] + 1)
+                            or _real(*a, **k))
+    for name, key in (("decode_chunks_torch", "decode_plans"), ("prefill_chunks_torch", "prefill_plans")):
+        real = getattr(hf_attention, name)
+        monkeypatch.setattr(hf_attention, name, lambda *a, _real=real, _key=key, **k: calls.__setitem__(
+            _key, calls[_key] + 1) or _real(*a, **k))
+    params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=4, max_tokens=12, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=20, seed=9, max_tokens=20, ignore_eos=True)]  # (n=1: no cascade)
+    fast = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    stats = llm.last_stats
+    assert calls["public"] == 0
+    assert calls["decode_plans"] == stats.decode_steps and calls["prefill_plans"] == stats.steps - stats.decode_steps
+    monkeypatch.setattr(hf_attention, "_cpu_attend_qualifies", lambda step, query: False)  # the public ops' path
+    slow = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert calls["public"] > 0
+    assert [[(c.token_ids, c.cumulative_logprob, c.logprobs) for c in o.outputs] for o in fast] == \
+        [[(c.token_ids, c.cumulative_logprob, c.logprobs) for c in o.outputs] for o in slow]
+
+
+def test_cpu_decode_steps_run_on_one_thread(llm, monkeypatch):
+    """A CPU step of fewer than CPU_SERIAL_TOKENS tokens runs with one torch thread (no OpenMP
+    thread to spin or wake between its small ops); longer steps and the caller keep their count."""
+    from paged_backend.integration import engine
+    seen = []
+    real = llm.model.forward
+    monkeypatch.setattr(llm.model, "forward", lambda *a, **k: seen.append(
+        (k["input_ids"].shape[1], torch.get_num_threads())) or real(*a, **k))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        long = "Tell me a story about a dragon who learns to fly over the mountains at night."  # >= 8 tokens
+        llm.generate(long, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen[0][0] >= engine.CPU_SERIAL_TOKENS and seen[0][1] == 2  # the prompt's prefill
+    assert len(seen) == 4 and all(t == 1 for n, t in seen[1:] if n < engine.CPU_SERIAL_TOKENS)
