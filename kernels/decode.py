@@ -218,7 +218,7 @@ def fold_states(lists, partial_o, partial_lse, out, lse, num_kv_heads: int, pdl:
     few SMs is bound by one SM's bandwidth (MQA B=1 x 128K on an H100: 264 states a list over 32
     SMs, 46.5 us end to end). The split is a function of the shapes only: same inputs, same bits."""
     b, hq, d = out.shape
-    block_p = min(64, pow2(max(2, max_len)))
+    block_p = fold_block_p(max_len)
     rows = b * hq
     split = 1
     sms = num_sms(out.device)
@@ -234,6 +234,11 @@ def fold_states(lists, partial_o, partial_lse, out, lse, num_kv_heads: int, pdl:
         num_warps=_fold_warps(block_p), num_stages=1, **({"launch_pdl": True} if pdl else {}),
     )
     return bound and bound.lead(2)
+
+
+def fold_block_p(max_len: int) -> int:
+    """States a fold program loads at once for lists of usually ``max_len`` slots."""
+    return min(64, pow2(max(2, max_len)))
 
 
 def _fold_warps(block_p: int) -> int:

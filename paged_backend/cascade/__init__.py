@@ -3,9 +3,11 @@
 Modules: ``ops`` (the two public ops and their argument checks), ``plan`` (the plan and its cost
 model), ``forest`` (sharing found from the block tables), ``reuse`` (a forest kept across decode
 steps), ``partition`` (the stream-K work split and the device buffers), ``fused`` (the Hopper
-kernel's lockstep lists). See docs/cascade.md.
+kernel's lockstep lists), ``arena`` (fixed device buffers: one CUDA graph for many steps' plans).
+See docs/cascade.md.
 """
+from paged_backend.cascade.arena import CascadeArena
 from paged_backend.cascade.ops import (CascadeCost, CascadePlan, cascade_decode, cascade_node_kernel_name,
                                        plan_cascade)
 
-__all__ = ["CascadePlan", "CascadeCost", "plan_cascade", "cascade_decode", "cascade_node_kernel_name"]
+__all__ = ["CascadeArena", "CascadePlan", "CascadeCost", "plan_cascade", "cascade_decode", "cascade_node_kernel_name"]

@@ -16,6 +16,7 @@ from paged_backend.kernels.checks import (HEAD_DIMS, check_attention_inputs, che
                                          check_window)
 from paged_backend.kernels.decode import decode_triton
 from paged_backend.kernels.dispatch import use_triton
+from paged_backend.cascade.arena import CascadeArena
 from paged_backend.cascade.plan import CascadeCost, CascadePlan, build_plan
 
 __all__ = ["CascadePlan", "CascadeCost", "plan_cascade", "cascade_decode"]
@@ -85,7 +86,7 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
                  block_size: int, device=None, groups=None, cost: CascadeCost | None = None,
                  node_programs: int | None = None, leaf_programs: int | None = None,
                  block_table_device: torch.Tensor | None = None, forest: CascadePlan | None = None,
-                 forest_rows=None, window: int | None = None) -> CascadePlan:
+                 forest_rows=None, window: int | None = None, arena: CascadeArena | None = None) -> CascadePlan:
     """Plan one cascade decode step from host metadata (see module doc).
 
     ``block_table_cpu [B, max_blocks]`` and ``seq_lens_cpu [B]``: host (CPU tensor / numpy) copies.
@@ -109,6 +110,11 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
     node starts at its members' earliest window block, a node no member's window reaches is
     dropped, and tails start at ``max(shared_len, len - window)``: the work follows the windows.
     ``forest`` must have been planned with the same window.
+
+    ``arena``: a :class:`~paged_backend.cascade.arena.CascadeArena` on ``device`` to upload the plan
+    into (needs ``block_table_device``): plans of one arena whose ``launch_key()`` is equal launch
+    the same kernels with the same arguments, so one CUDA graph of ``cascade_decode`` serves them all.
+    A plan that does not fit comes back with ``arena`` None (in fresh buffers).
     """
     window = check_window(window) or None
     table = _host_array("block_table_cpu", block_table_cpu, 2)
@@ -152,6 +158,13 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
                 or block_table_device.shape[1] < min(table.shape[1], -(-int(lens.max() if lens.size else 0) // block_size)):
             raise ValueError("block_table_device must be an int32 [B, >= blocks in use] tensor on "
                              f"{device} holding block_table_cpu's ids")
+    if arena is not None:
+        if not isinstance(arena, CascadeArena):
+            raise TypeError(f"arena must be a CascadeArena or None, got {type(arena).__name__}")
+        if block_table_device is None or arena.device != device:
+            raise ValueError(f"arena needs block_table_device (the kernels' table at a fixed address) and must "
+                             f"be on {device}, got block_table_device={'None' if block_table_device is None else 'set'}"
+                             f" and an arena on {arena.device}")
     rows = None
     if forest is not None:
         rows = _check_forest(forest, groups, forest_rows, lens.size, num_q_heads=num_q_heads,
@@ -163,7 +176,8 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
     return build_plan(table, lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                       block_size=block_size, device=device, groups=groups, cost=cost,
                       node_programs=node_programs, leaf_programs=leaf_programs,
-                      block_table_device=block_table_device, forest=forest, forest_rows=rows, window=window)
+                      block_table_device=block_table_device, forest=forest, forest_rows=rows, window=window,
+                      arena=arena)
 
 
 def _check_forest(forest, groups, forest_rows, batch: int, **shape):

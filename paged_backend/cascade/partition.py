@@ -63,8 +63,12 @@ def partition(plan, group: int, node_programs, leaf_programs, block_table_device
     upload(plan, src, h, block_table_device)
     plan.views["node_work"] = plan.views["node_work"].view(-1, NODE_FIELDS)
     plan.views["leaf_work"] = plan.views["leaf_work"].view(-1, LEAF_FIELDS)
-    plan.partial_o = torch.empty(max(1, plan.num_slots), group, plan.head_dim, dtype=torch.float32, device=plan.device)
-    plan.partial_lse = torch.empty(max(1, plan.num_slots), group, dtype=torch.float32, device=plan.device)
+    if plan.arena is not None:  # (its partial states: at fixed addresses too)
+        plan.partial_o, plan.partial_lse = plan.arena.partial_o, plan.arena.partial_lse
+    else:
+        plan.partial_o = torch.empty(max(1, plan.num_slots), group, plan.head_dim, dtype=torch.float32,
+                                     device=plan.device)
+        plan.partial_lse = torch.empty(max(1, plan.num_slots), group, dtype=torch.float32, device=plan.device)
 
 
 def _node_grid(node_programs, sms: int, block_m: int) -> int:
@@ -290,15 +294,24 @@ def staging(plan, parts, block_table_device):
 
 
 def upload(plan, src: torch.Tensor, host_views: dict, block_table_device) -> None:
-    """Copies the filled staging array to the device at once and makes device views of its parts."""
+    """Copies the filled staging array to the device at once and makes device views of its parts:
+    into ``plan.arena`` where the plan fits it (else ``plan.arena`` becomes None), or fresh buffers."""
     plan.host = host_views
-    if plan.device.type == "cpu":
+    arena = plan.arena
+    if arena is not None and not arena.fits({k: v.size for k, v in host_views.items()}, plan.num_slots,
+                                            plan.num_q_heads // plan.num_kv_heads, plan.head_dim):
+        arena = plan.arena = None
+    if arena is not None:
+        plan.buffers = arena.buffer
+        plan.views.update(arena.upload(host_views))
+    elif plan.device.type == "cpu":
         plan.buffers = src  # already where the kernels read it
     else:
         plan.buffers = torch.empty(src.numel(), dtype=torch.int32, device=plan.device)
         plan.buffers.copy_(src, non_blocking=True)
-    parts = plan.buffers.split_with_sizes([v.size for v in host_views.values()])
-    plan.views.update(zip(host_views, parts))
+    if arena is None:
+        parts = plan.buffers.split_with_sizes([v.size for v in host_views.values()])
+        plan.views.update(zip(host_views, parts))
     if block_table_device is not None:
         plan.views["block_table"] = block_table_device
     else:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from paged_backend.kernels.checks import debug_enabled
+from paged_backend.kernels.decode import fold_block_p
 from paged_backend.cascade.forest import auto_forest, group_forest
 from paged_backend.cascade.partition import LEAF_FIELDS, NODE_FIELDS, partition, staging, upload
 from paged_backend.cascade.reuse import check_held, restrict_forest
@@ -95,6 +96,15 @@ class CascadePlan:
     host: dict = field(default_factory=dict, repr=False)  # the staging array's parts on the host, by name
     # call signature -> the node, tail and fold kernels' launches for it (kernels/cascade.py: cascade_triton)
     launches: dict = field(default_factory=dict, repr=False)
+    arena: object = field(default=None, repr=False)  # the CascadeArena holding the device buffers, or None
+
+    def launch_key(self) -> tuple:
+        """What the kernels' launches take from the plan besides its buffers' contents: grids, tiles,
+        the node piece count, which launches run, the merge's tile (:func:`fold_states`). Plans of
+        one arena with equal keys launch identically, so a CUDA graph of one replays the other."""
+        return (self.batch_size, self.window, self.is_flat, self.block_m, self.node_block_n, self.block_n,
+                self.node_programs, self.leaf_programs, self.num_node_pieces, self.num_leaf_pieces > 0,
+                "fused_items" in self.views, fold_block_p(self.max_merge_len))
 
     @property
     def num_nodes(self) -> int:
@@ -128,7 +138,7 @@ class CascadePlan:
 
 def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, device, groups, cost,
                node_programs, leaf_programs, block_table_device=None, forest=None, forest_rows=None,
-               window=None) -> CascadePlan:
+               window=None, arena=None) -> CascadePlan:
     hq, hkv, d, bs = num_q_heads, num_kv_heads, head_dim, block_size
     bsz = lens.size
     group = hq // hkv
@@ -180,7 +190,7 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
                        seq_lens_host=lens, shared_len_host=kd * bs, node_ptr=ptr, node_members=members,
                        node_start=nstart * bs, node_end=nend * bs, node_level=level, block_table_host=bt_host,
                        max_block_id=max_id, block_n=block_n_for(d) // 2, node_block_n=64 if d <= 128 else 32,
-                       window=window, forest_nodes=forest_nodes)
+                       window=window, forest_nodes=forest_nodes, arena=arena)
     if plan.is_flat:
         plan.flat_plan = plan_decode(lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                      device=device, num_programs=leaf_programs, window=window)

@@ -1,0 +1,109 @@
+"""Cascade plans in a CascadeArena: a later step's plan of the same launch key runs through the
+launches of an earlier plan (as a CUDA graph captured with it replays) and gives that step's
+exact attention; plans that outgrow the arena are refused and fit a grown one."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import paged_backend as pb
+from paged_backend.cascade import CascadeArena, CascadeCost
+from paged_backend.kernels.dispatch import use_triton
+from tests.test_cascade import check_exact, forest_inputs, random_forest
+
+KEEP_ALL = CascadeCost(0, 0, 0)
+
+
+def steps_of_samples(bs: int, width: int, n: int, prompt: int, steps: int):
+    """``n`` samples of one ``prompt``-token prompt decoding ``steps`` tokens each (private blocks
+    appended as tails cross block boundaries) -> [(table [n, width] int32, lens [n] int64)] a step."""
+    shared = prompt // bs
+    table = np.zeros((n, width), np.int32)
+    table[:, :shared] = np.arange(shared)
+    nxt = shared
+    out = []
+    for t in range(steps):
+        lens = np.full(n, prompt + 1 + t, np.int64)
+        need = -(-lens // bs)
+        for i in range(n):  # (plain loops: a test)
+            for c in range(shared, int(need[i])):
+                if table[i, c] == 0:  # (0 is a shared block: a private column not given one yet)
+                    table[i, c], nxt = nxt, nxt + 1
+        out.append((table.copy(), lens))
+    return out, nxt
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("bs,hq,hkv", [(4, 8, 2), (16, 4, 1)])
+def test_later_plans_run_through_the_first_plans_launches(bs, hq, hkv):
+    """Samples of one prompt decode step by step, planned into one arena with the forest carried
+    over: each step's plan sits at the arena's addresses; where its launch key equals the first
+    plan's, the first plan object (its launches, as a captured graph) gives this step's exact
+    attention, which is most steps."""
+    d, n, width = 64, 6, 16
+    steps, nb = steps_of_samples(bs, width, n, prompt=5 * bs + 1, steps=2 * bs + 3)
+    k = torch.randn(nb + 1, bs, hkv, d)
+    v = torch.randn(nb + 1, bs, hkv, d)
+    table_dev = torch.zeros(n, width, dtype=torch.int32)
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device="cpu", cost=KEEP_ALL,
+              block_table_device=table_dev)
+    first = arena = prev = None
+    same = 0
+    for table, lens in steps:
+        table_dev.copy_(torch.from_numpy(table))
+        plan = pb.plan_cascade(table, lens, arena=arena, forest=prev, **kw)
+        if arena is None:  # the first step: no arena yet, then one grown for it
+            assert plan.arena is None
+            arena = CascadeArena.grown_for(plan)
+            plan = pb.plan_cascade(table, lens, arena=arena, **kw)
+            first = plan
+        assert plan.arena is arena and not plan.is_flat
+        assert plan.partial_o.data_ptr() == arena.partial_o.data_ptr()
+        assert all(plan.views[name].data_ptr() == arena.buffer[arena.offsets[name]:].data_ptr()
+                   for name in arena.offsets)
+        q = torch.randn(n, hq, d)
+        bt, lens_t = torch.from_numpy(table), torch.from_numpy(lens).int()
+        check_exact(q, k, v, bt, lens_t, plan, torch.float32)
+        if plan.launch_key() == first.launch_key():
+            same += 1
+            if use_triton(q):  # (the torch path reads the plan's host arrays, not its buffers)
+                check_exact(q, k, v, bt, lens_t, first, torch.float32)
+        prev = plan
+    assert same >= len(steps) // 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_plan_that_outgrows_its_arena_fits_a_grown_one(seed):
+    """A forest with more pieces than the arena has room for comes back outside it (``arena``
+    None, fresh buffers, still exact); ``grown_for`` makes room for it and keeps the old room."""
+    rng = np.random.default_rng(40 + seed)
+    bs, hq, hkv, d = 4, 8, 2, 64
+    small = random_forest(rng, bs, max_depth=1, max_requests=3, max_shared=2, min_requests=2)
+    big = random_forest(rng, bs, max_depth=3, max_requests=24, max_shared=8, min_requests=16)
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device="cpu", cost=KEEP_ALL)
+    _, _, _, bt, lens = forest_inputs(rng, small, bs, hq, hkv, d, torch.float32)
+    first = pb.plan_cascade(bt, lens, block_table_device=bt, **kw)
+    arena = CascadeArena.grown_for(first)
+    q, k, v, bt, lens = forest_inputs(rng, big, bs, hq, hkv, d, torch.float32)
+    plan = pb.plan_cascade(bt, lens, block_table_device=bt, arena=arena, **kw)
+    if plan.is_flat:
+        return
+    assert plan.arena is None and plan.buffers.data_ptr() != arena.buffer.data_ptr()
+    check_exact(q, k, v, bt, lens, plan, torch.float32)
+    grown = CascadeArena.grown_for(plan, arena)
+    assert all(grown.capacity[name] >= arena.capacity[name] for name in arena.capacity)
+    again = pb.plan_cascade(bt, lens, block_table_device=bt, arena=grown, **kw)
+    assert again.arena is grown
+    check_exact(q, k, v, bt, lens, again, torch.float32)
+
+
+def test_arena_argument_checks():
+    bt = torch.zeros(2, 4, dtype=torch.int32)
+    kw = dict(num_q_heads=4, num_kv_heads=1, head_dim=64, block_size=4, device="cpu")
+    lens = np.array([9, 9])
+    with pytest.raises(TypeError, match="arena must be a CascadeArena"):
+        pb.plan_cascade(bt, lens, block_table_device=bt, arena=object(), **kw)
+    arena = CascadeArena({"seq_lens": 8}, 4, 4, 64, "cpu")
+    with pytest.raises(ValueError, match="arena needs block_table_device"):
+        pb.plan_cascade(bt, lens, arena=arena, **kw)
