@@ -25,6 +25,7 @@ from paged_backend.scheduler import BlockManager, SamplingParams, Scheduler
 from paged_backend.scheduler.scheduler import FINISHED
 
 from . import hf_attention, models
+from .cascade_graphs import CascadeGraphs
 from .graphs import DecodeGraphs, PathChoice, padded_sizes
 from .launched import Launched
 from .kv_cache import KVCacheSpec, PagedKVCache, blocks_for
@@ -32,7 +33,6 @@ from .outputs import RequestOutput, RunStats
 from .requests import Request, RequestMaker, chat_prompts
 from .sampler import Sampler
 from .sample_book import SampleBook
-from .split_graphs import SplitGraphs
 from .step import CASCADE, StepBuilder
 
 GRAPH = "graph"  # a decode step replayed from a CUDA graph
@@ -55,9 +55,10 @@ class LLM:
     once, where its cost model says it pays; a ``CascadeCost`` replaces that model, its
     ``kv_elem_bytes`` the cache's: 1 with an fp8 cache) - False runs
     every decode flat. seed: the seed of requests that give none. enforce_eager: on a GPU, decode
-    steps replay CUDA graphs of the model unless this is True: flat steps whole, cascade steps cut at
-    attention, captured for every padded batch size up to ``max_num_seqs`` when the engine starts
-    (a progress bar on a terminal), so no step of a user's call pays a capture. profile: record each step's host and GPU time in ``last_stats.step_log``
+    steps replay CUDA graphs of the model unless this is True, attention included: flat steps from
+    graphs captured for every padded batch size up to ``max_num_seqs`` when the engine starts (a
+    progress bar on a terminal), cascade steps from graphs captured with the first step of each
+    shape of plan (:mod:`.cascade_graphs`; not counted in the path choice's timings). profile: record each step's host and GPU time in ``last_stats.step_log``
     (CUDA events; for benchmarks). kv_cache_dtype: "auto" (the model's dtype) or "fp8" (e4m3;
     "fp8_e5m2" too): half the KV bytes per token, so twice the pool and half the bytes every decode
     step reads; K/V are stored with per-tensor scales of 1.0 (vLLM's default without calibration).
@@ -105,14 +106,15 @@ class LLM:
                                    cascade_cost=cascade if isinstance(cascade, CascadeCost) else None,
                                    windows=self.info.windows)
         self.sampler = Sampler(self.info.vocab_size, self.device)
-        self.graphs = self.split = self.choice = None
+        self.graphs = self.cascades = self.choice = None
         if not enforce_eager and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self.model, self.cache, num_q_heads=self.info.num_q_heads,
                                        max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                                        windows=self.info.windows)
-            self.split = SplitGraphs(self.model, max_num_seqs=max_num_seqs, device=self.device)
+            self.cascades = CascadeGraphs(self.model, self.cache, self.builder, max_num_seqs=max_num_seqs,
+                                          max_model_len=self.max_model_len)
             self.choice = PathChoice(self.model, spec.bytes_per_block // block_size, self.device)
-            self._capture(max_num_seqs, bool(cascade))
+            self._capture(max_num_seqs)
         self.requests = RequestMaker(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
                                      np.random.default_rng(seed))
         self.profile = profile
@@ -181,6 +183,8 @@ class LLM:
                 stats.num_samples += r.params.n
                 stats.prompt_tokens += len(r.token_ids)
             self._last_finish = t_start
+            if self.choice is not None:
+                self.choice.new_run()
             while step is not None or self.sched.has_unfinished():
                 if step is None:
                     step = self._launch(self._schedule(), None)
@@ -189,7 +193,7 @@ class LLM:
                     self.sched.run_ahead(step.batch)  # the next step runs while this one's tokens come back
                     ahead = self._launch(self._schedule(), step)
                     stats.ahead_steps += 1
-                done = self._finish(step, stats)
+                done = self._finish(step, stats, ahead is not None and ahead.captured)
                 step = ahead
                 for g in done:
                     live.discard(g.request_id)
@@ -257,8 +261,9 @@ class LLM:
             if threads:
                 torch.set_num_threads(threads)
 
-    def _finish(self, step: Launched, stats: RunStats):
-        """Waits for ``step``'s tokens and books them -> the groups that finished."""
+    def _finish(self, step: Launched, stats: RunStats, capture_beside: bool = False):
+        """Waits for ``step``'s tokens and books them -> the groups that finished. ``capture_beside``:
+        the step launched while this one ran captured a graph (this one's time holds that capture)."""
         sched, batch = self.sched, step.batch
         tokens, logprobs, top = step.wait()
         stale = np.fromiter((s.status is FINISHED for s in batch.seqs), bool, len(batch.seqs))  # ended before
@@ -267,7 +272,7 @@ class LLM:
         now = time.perf_counter()
         dt = now - max(step.t0, self._last_finish)  # (steps overlap: each counts from the last one's end)
         self._last_finish = now
-        if self.choice is not None and not step.captured:  # (a capture is not a step's time)
+        if self.choice is not None and not (step.captured or capture_beside):  # (a capture is not a step's time)
             if step.kind == CASCADE:
                 self.choice.note_cascade(dt)
             elif step.kind == GRAPH:
@@ -297,50 +302,45 @@ class LLM:
 
     def _forward(self, batch, timed: bool, ids: torch.Tensor | None) -> tuple[str, torch.Tensor]:
         """The model on one step -> (how attention ran: DECODE, CASCADE, PREFILL or GRAPH, logits [R, V]).
-        On a GPU flat decode steps replay a CUDA graph, and cascade steps the model's graphs cut at
-        attention (:mod:`.split_graphs`); the rest run eagerly. ``ids`` [B] int64 on the device: the
-        input ids of a decode-only step run ahead (its batch holds placeholders), or None."""
+        On a GPU decode steps replay a CUDA graph: flat ones (:mod:`.graphs`), and cascade ones where
+        their rows share blocks and the cascade pays (:mod:`.cascade_graphs`); the rest run eagerly.
+        ``ids`` [B] int64 on the device: the input ids of a decode-only step run ahead (its batch
+        holds placeholders), or None. ``timed``: note each layer's attention time (eager steps)."""
         self._attend_events = None
-        step = None
         if not batch.num_prefill_tokens and self.graphs is not None:
             if self.builder.wants_cascade(batch) and self.choice.cascade(batch):
-                step = self.builder.build(batch)
-            if step is None or not step.is_cascade:
-                logits = self.graphs.run(batch, ids)
+                logits = self.cascades.run(batch, ids)  # (None: no node pays, or too large for a graph)
                 if logits is not None:
-                    return GRAPH, logits
-        if step is None:
-            step = self.builder.build(batch)
+                    return CASCADE, logits
+            logits = self.graphs.run(batch, ids)
+            if logits is not None:
+                return GRAPH, logits
+        step = self.builder.build(batch)
         if ids is not None:
             step.input_ids[0, :ids.numel()].copy_(ids)
         if timed and self.device.type == "cuda":
             step.attend_events = self._attend_events = []
-        if step.is_cascade and self.split is not None:  # the model's kernels from graphs, attention eager
-            logits = self.split.run(step, batch, ids)
-            if logits is not None:
-                return CASCADE, logits
         with torch.inference_mode():
             logits = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
                                 logits_to_keep=step.logits_indices, paged_step=step).logits[0]
         return CASCADE if step.is_cascade else step.kind, logits
 
-    def _capture(self, max_num_seqs: int, cascade: bool) -> None:
-        """Captures the decode steps of every padded batch size now, so that no user's step pays a
-        capture: flat steps, and with ``cascade`` the cascade steps' cut forwards."""
+    def _capture(self, max_num_seqs: int) -> None:
+        """Captures the flat decode steps of every padded batch size now, so that no user's step pays
+        a capture (a cascade step's graph is captured with the first step of its launch key)."""
         from tqdm.auto import tqdm
         sizes = padded_sizes(max_num_seqs)
-        kinds = (self.graphs, self.split) if cascade else (self.graphs,)
-        with tqdm(total=len(sizes) * len(kinds), desc="Capturing CUDA graphs", unit="graph", leave=False,
+        with tqdm(total=len(sizes), desc="Capturing CUDA graphs", unit="graph", leave=False,
                   disable=None) as bar:  # (disable=None: no bar where stderr is not a terminal)
             for size in sizes:
-                for graphs in kinds:
-                    graphs.graph(size)
-                    bar.update(1)
+                self.graphs.graph(size)
+                bar.update(1)
         torch.cuda.synchronize(self.device)
 
     def _graphs_made(self) -> int:
-        """CUDA graphs captured so far (flat decode steps, and cascade steps' cut forwards)."""
-        return sum(len(g.graphs) for g in (self.graphs, self.split) if g is not None)
+        """CUDA graphs captured so far (flat decode steps and cascade steps)."""
+        return (0 if self.graphs is None else len(self.graphs.graphs)) + (0 if self.cascades is None else
+                                                                          self.cascades.captures)
 
     def _detokenize(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

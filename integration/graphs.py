@@ -8,12 +8,10 @@ device buffers; each step copies its metadata into them (one host-to-device copy
 plan's buffers with ``plan.update`` and replays. Padding rows have length 0 (attention gives 0),
 slot -1 (nothing is written) and token 0; their logits are dropped.
 
-Cascade steps cannot replay one such graph: a ``CascadePlan``'s buffers and grids are made for its
-step (docs/engine.md). They replay the model's graphs cut at attention instead, each layer's attention
-run eagerly in between (:mod:`.split_graphs`). So on a GPU a decode step whose samples share a prompt
-runs either flat in a graph (reading the shared KV once per sample) or as a cascade (reading it once,
-with a graph launch and an eager attention call a layer): :class:`PathChoice` picks by the steps'
-measured times.
+Cascade steps replay graphs of their own, whose plans live in fixed buffers (:mod:`.cascade_graphs`).
+So on a GPU a decode step whose samples share a prompt runs either flat (reading the shared KV once
+per sample) or as a cascade (reading it once, with a plan made on the host each step):
+:class:`PathChoice` picks by the steps' measured times.
 """
 from __future__ import annotations
 
@@ -42,57 +40,27 @@ def padded_sizes(max_num_seqs: int) -> list[int]:
                               reverse=True) if s <= top]
 
 
-class _Graph:
-    """One captured decode step of ``size`` rows (static buffers, plan, graph, output logits)."""
+class StaticInputs:
+    """A decode step's inputs padded to ``size`` rows, in one device buffer filled by one copy (the
+    fixed addresses a CUDA graph reads): ``ids``, ``pos`` [1, size] int64, ``slots`` [size] int64,
+    ``table`` [size, width] int32, ``lens`` [size] int32. Padding rows: token 0 at position 0, slot
+    -1 (nothing is written), length 0 (attention gives 0). ``host``: the host arrays last copied."""
 
-    def __init__(self, model, cache, size: int, width: int, num_q_heads: int, max_seq_len: int, pool,
-                 capture: bool = True, windows=(None,)):
-        spec, dev = cache.spec, cache.spec.device
+    def __init__(self, size: int, width: int, device: torch.device):
         self.size, self.width = size, width
-        # every input in one device buffer, filled by one copy: int64 parts first (aligned views)
+        # int64 parts first (aligned views); the padding values from the start: a warm-up writes no KV
         self.host = [np.zeros((1, size), np.int64), np.zeros((1, size), np.int64), np.full(size, -1, np.int64),
                      np.zeros((size, width), np.int32), np.zeros(size, np.int32)]
-        # (holding the padding values from the start: a warm-up must write no KV, slot -1)
-        self.buffer = torch.from_numpy(self._packed()).to(dev)
-        ids, pos, slots, table, lens = self._views()
-        self.ids = ids  # [1, size] int64
-        self.plans = {w: pb.plan_decode(np.zeros(size, np.int64), num_q_heads=num_q_heads,
-                                        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                                        block_size=spec.block_size, device=dev, window=w) for w in windows}
-        rows = torch.arange(size, device=dev)
-        self.step = Step(cache, ids, pos, slots, table, lens, None, rows, DECODE, max_seq_len, plans=self.plans)
-        run = lambda: model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=rows,  # noqa: E731
-                            paged_step=self.step).logits[0]
-        self.graph = None
-        if not capture:  # the same buffers, plan and warm-up, run eagerly (tests the plumbing on the CPU)
-            with torch.inference_mode():
-                run()
-            self.replay = lambda: setattr(self, "logits", run())
-            return
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side), torch.inference_mode():
-            for _ in range(2):  # compile, bind the plan's launches, settle the allocator
-                run()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool), torch.inference_mode():
-            self.logits = run()  # [size, V], rewritten by every replay
-        self.replay = self.graph.replay
-
-    def _packed(self) -> np.ndarray:
-        return np.concatenate([a.reshape(-1).view(np.uint8) for a in self.host])
-
-    def _views(self) -> list[torch.Tensor]:
-        out, at = [], 0
+        self.buffer = torch.from_numpy(np.concatenate([a.reshape(-1).view(np.uint8) for a in self.host])).to(device)
+        views, at = [], 0
         for a in self.host:
-            out.append(self.buffer[at:at + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape))
+            views.append(self.buffer[at:at + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape))
             at += a.nbytes
-        return out
+        self.ids, self.pos, self.slots, self.table, self.lens = views
 
-    def run(self, batch, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Replays the step for ``batch`` (decode-only, at most ``size`` rows) -> logits [B, V].
-        ``ids`` [B] on the device: input ids that replace ``batch.input_ids`` (a step run ahead)."""
+    def fill(self, batch, ids: torch.Tensor | None = None) -> None:
+        """Copies ``batch`` (decode-only, at most ``size`` rows) in, the rest padding. ``ids`` [B] on
+        the device: input ids that replace ``batch.input_ids`` (a step run ahead)."""
         b = len(batch.seqs)
         host_ids, pos, slots, table, lens = self.host
         host_ids[0, :b], host_ids[0, b:] = batch.input_ids, 0
@@ -101,16 +69,65 @@ class _Graph:
         cols = batch.block_tables.shape[1]
         table[:b, :cols], table[:b, cols:], table[b:] = batch.block_tables, 0, 0
         lens[:b], lens[b:] = batch.seq_lens, 0
-        src = torch.empty(self.buffer.numel(), dtype=torch.uint8, pin_memory=self.buffer.is_cuda)  # reused once copied
+        # a fresh pinned buffer (torch's pinned cache gives it out again once copied): the host may
+        # fill the next step's while this copy waits in the stream
+        src = torch.empty(self.buffer.numel(), dtype=torch.uint8, pin_memory=self.buffer.is_cuda)
         np.concatenate([a.reshape(-1).view(np.uint8) for a in self.host], out=src.numpy())
         self.buffer.copy_(src, non_blocking=True)
         if ids is not None:
             self.ids[0, :b].copy_(ids)
+
+
+def capture(run, pool, device: torch.device, warmups: int = 2):
+    """``run()`` (a model's forward, returning a tensor) captured as a CUDA graph in memory ``pool``,
+    after ``warmups`` eager runs on a side stream (kernels compiled, plans' launches bound, libraries'
+    workspaces made, the allocator settled) -> (graph, the output, rewritten by every replay)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), torch.inference_mode():
+        for _ in range(warmups):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+        out = run()
+    return graph, out
+
+
+class _Graph:
+    """One captured decode step of ``size`` rows (static inputs, plans, graph, output logits)."""
+
+    def __init__(self, model, cache, size: int, width: int, num_q_heads: int, max_seq_len: int, pool,
+                 capture_it: bool = True, windows=(None,)):
+        spec, dev = cache.spec, cache.spec.device
+        self.size, self.width = size, width
+        self.inputs = inp = StaticInputs(size, width, dev)
+        self.plans = {w: pb.plan_decode(np.zeros(size, np.int64), num_q_heads=num_q_heads,
+                                        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                                        block_size=spec.block_size, device=dev, window=w) for w in windows}
+        rows = torch.arange(size, device=dev)
+        self.step = Step(cache, inp.ids, inp.pos, inp.slots, inp.table, inp.lens, None, rows, DECODE, max_seq_len,
+                         plans=self.plans)
+        run = lambda: model(input_ids=inp.ids, position_ids=inp.pos, use_cache=False,  # noqa: E731
+                            logits_to_keep=rows, paged_step=self.step).logits[0]
+        self.graph = None
+        if not capture_it:  # the same buffers, plan and warm-up, run eagerly (tests the plumbing on the CPU)
+            with torch.inference_mode():
+                run()
+            self.replay = lambda: setattr(self, "logits", run())
+            return
+        self.graph, self.logits = capture(run, pool, dev)  # logits [size, V]
+        self.replay = self.graph.replay
+
+    def run(self, batch, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replays the step for ``batch`` (decode-only, at most ``size`` rows) -> logits [B, V].
+        ``ids`` [B] on the device: input ids that replace ``batch.input_ids`` (a step run ahead)."""
+        self.inputs.fill(batch, ids)
         for plan in self.plans.values():
-            plan.update(lens)
+            plan.update(self.inputs.host[4])
         with torch.inference_mode():
             self.replay()
-        return self.logits[:b]
+        return self.logits[:len(batch.seqs)]
 
 
 class DecodeGraphs:
@@ -152,13 +169,20 @@ class PathChoice:
     The cascade's time is the median of the last :data:`WINDOW` cascade steps; the flat step's, its
     bytes (the weights and every row's KV at the copy bandwidth) times the median ratio of the flat
     graph steps' times to their bytes (1 until one ran). The first :data:`PROBES` shared steps take
-    the cascade (to time it). The choice changes path only for a gain over :data:`MARGIN`, and the
-    step after a change is not timed (a cascade step after flat ones builds its forest anew); nor
-    are steps that captured a graph."""
+    the cascade (to time it), as they do again after :data:`REPROBE` shared steps in a row went
+    flat and at the start of each engine call (:meth:`new_run`: a cascade's time depends on the
+    batch's forest, and a time of an earlier call's batch must not hold a run on the flat path; the
+    call's first :data:`SETTLE` shared steps are not timed: on an H200, SmolLM2's shape, a call whose
+    probes included them went flat for 128 steps at 4.8 ms, against the cascade's 3.7 ms steady). The
+    choice changes path only for a gain over :data:`MARGIN`, and the step after a change is not
+    timed (a cascade step after flat ones builds its forest anew); nor are steps that captured a
+    graph or ran while one was captured."""
 
     WINDOW = 7
     PROBES = 2
     MARGIN = 1.1
+    REPROBE = 128
+    SETTLE = 3
 
     def __init__(self, model, kv_bytes_per_token: int, device: torch.device):
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -169,9 +193,20 @@ class PathChoice:
         self.flat_ratio = deque(maxlen=self.WINDOW)    # recent flat graph steps, time / bytes floor
         self.last = None  # the path of the last shared step ("cascade" or "flat")
         self.changed = False  # the last shared step changed path: its time is not noted
+        self.flat_run = 0  # shared steps in a row that went flat
+        self.settle = 0  # shared steps left whose time is not noted
+
+    def new_run(self) -> None:
+        """Forgets the cascade's times (an engine call starts: other prompts, another forest); the
+        first :data:`SETTLE` shared steps of the call are not timed (the samples' first blocks are
+        copied, the forest found, graphs of new plan shapes captured)."""
+        self.cascade_s.clear()
+        self.settle = self.SETTLE
 
     def cascade(self, batch) -> bool:
         """Whether ``batch`` (decode-only, rows sharing blocks) should take the cascade."""
+        if self.flat_run >= self.REPROBE:  # time the cascade again
+            self.cascade_s.clear()
         if len(self.cascade_s) < self.PROBES:
             choice = True
         else:
@@ -180,6 +215,7 @@ class PathChoice:
             choice = casc * self.MARGIN < flat if self.last == "flat" else casc < flat * self.MARGIN
         path = "cascade" if choice else "flat"
         self.changed, self.last = self.last is not None and path != self.last, path
+        self.flat_run = 0 if choice else self.flat_run + 1
         return choice
 
     def note_cascade(self, seconds: float) -> None:
@@ -191,7 +227,8 @@ class PathChoice:
             self.flat_ratio.append(seconds / self._flat_floor(batch))
 
     def _skip(self) -> bool:
-        skip, self.changed = self.changed, False
+        skip, self.changed = self.changed or self.settle > 0, False
+        self.settle = max(0, self.settle - 1)
         return skip
 
     def _flat_floor(self, batch) -> float:

@@ -148,7 +148,8 @@ class StepBuilder:
             self._forest, self._forest_ids = {}, None  # shared blocks may change: plan anew later
             return step
         if self.wants_cascade(batch):
-            step.kind, step.plans = CASCADE, self._cascade_plans(batch, table)
+            step.kind, step.plans = CASCADE, self.cascade_plans(batch.block_tables, batch.seq_lens, batch.seq_ids,
+                                                                table)
         else:
             self._forest, self._forest_ids = {}, None
             step.kind, step.plans = DECODE, {w: self._decode_plan(batch.seq_lens, w) for w in self.windows}
@@ -163,10 +164,13 @@ class StepBuilder:
             return plan
         return plan.update(lens)
 
-    def _cascade_plans(self, batch, table: torch.Tensor) -> dict:
-        """One CascadePlan per window, each from the last step's of that window where it carries over."""
+    def cascade_plans(self, table_host: np.ndarray, lens: np.ndarray, ids: np.ndarray, table: torch.Tensor,
+                      arenas: dict | None = None) -> dict:
+        """One CascadePlan per window for a decode step of rows ``ids [B]`` (distinct; the engine's
+        sequence ids), ``table_host [B, cols]``, ``lens [B]``, the table on the device ``table``, each
+        from the last step's of that window where it carries over. ``arenas``: {window: CascadeArena
+        or None} to plan into (CUDA-graph steps)."""
         kw = dict(self.shape, cost=self.cascade_cost, block_table_device=table)
-        ids = batch.seq_ids
         if self._forest:
             if np.array_equal(ids, self._forest_ids):
                 kw["forest_rows"] = None
@@ -178,7 +182,7 @@ class StepBuilder:
         plans = {}
         for w in self.windows:
             forest = self._forest.get(w) if "forest_rows" in kw else None
-            plans[w] = pb.plan_cascade(batch.block_tables, batch.seq_lens, window=w,
+            plans[w] = pb.plan_cascade(table_host, lens, window=w, arena=(arenas or {}).get(w),
                                        **(dict(kw, forest=forest) if forest is not None else
                                           {k: v for k, v in kw.items() if k != "forest_rows"}))
         self._forest, self._forest_ids = plans, ids

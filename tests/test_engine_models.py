@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from paged_backend.cascade import CascadeCost
+from paged_backend.kernels.dispatch import INTERPRET
 from paged_backend.integration import LLM, SamplingParams
 
 pytestmark = pytest.mark.xdist_group("engine")
@@ -130,13 +131,39 @@ def test_gpu_decode_graphs_match_eager():
     assert kinds.count("graph") >= 15 and set(llm.graphs.graphs) >= {8, 4}
 
 
+@pytest.mark.kernel
+@pytest.mark.skipif(not INTERPRET, reason="replays through earlier plans need the kernels, which read the plans' "
+                                          "buffers (the torch path reads host copies): the TRITON_INTERPRET=1 pass")
+def test_cascade_graph_buffers_and_padding_on_the_cpu():
+    """The cascade CUDA-graph path run eagerly (capture=False): static inputs with padding rows, plans
+    in arenas, and every step after the first of a launch key run through the first step's plan
+    objects (as its graph would): the eager cascade's tokens (6 rows padded to 8, then 3 to 4)."""
+    from paged_backend.integration.cascade_graphs import CascadeGraphs
+    from paged_backend.integration.graphs import DecodeGraphs, PathChoice
+    model = tiny("qwen3", seed=1)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + 50))}, {"prompt_token_ids": list(range(7, 7 + 35))}]
+    params = [SamplingParams(n=3, temperature=0, max_tokens=m) for m in (14, 6)]
+    kw = dict(device="cpu", num_blocks=96, cascade=CascadeCost(0, 0, 0), max_num_seqs=8)
+    want = [[c.token_ids for c in o.outputs] for o in LLM(model, **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model, profile=True, **kw)
+    shape = dict(max_num_seqs=8, max_model_len=llm.max_model_len)
+    llm.graphs = DecodeGraphs(llm.model, llm.cache, num_q_heads=llm.info.num_q_heads, capture=False, **shape)
+    llm.cascades = CascadeGraphs(llm.model, llm.cache, llm.builder, capture=False, **shape)
+    llm.choice = PathChoice(llm.model, 1, llm.device)
+    llm.choice.PROBES, llm.choice.bandwidth = 10 ** 9, 1e12  # every shared step a cascade; no device copy timed
+    got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    steps = [s["kind"] for s in llm.last_stats.step_log].count("cascade")
+    assert steps == 13 and sorted(llm.cascades.graphs) == [4, 8] and llm.cascades.captures < steps
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family,dtype", [("qwen3", "float32"), ("qwen3", "bfloat16"), ("gemma2", "bfloat16")])
-def test_gpu_cascade_steps_from_split_graphs_match_eager(family, dtype):
-    """Cascade decode steps replayed from the model's graphs cut at attention, each layer's attention
-    run eagerly in between, give the eager cascade's tokens (8 rows, then 4 padded to 4; Gemma 2:
-    soft-capping and its sliding layers), and the graphs were used."""
+def test_gpu_cascade_graphs_match_eager(family, dtype):
+    """Cascade decode steps replayed whole from CUDA graphs give the eager cascade's tokens (8 rows,
+    then 4 padded to 4; Gemma 2: soft-capping and its sliding layers), and graphs replayed steps
+    planned after their capture."""
     model = tiny(family, seed=1)
     prompts = [{"prompt_token_ids": list(range(3, 3 + 50))}, {"prompt_token_ids": list(range(7, 7 + 35))}]
     params = [SamplingParams(n=4, temperature=0, max_tokens=m) for m in (14, 6)]
@@ -144,13 +171,11 @@ def test_gpu_cascade_steps_from_split_graphs_match_eager(family, dtype):
     eager = LLM(model, enforce_eager=True, **kw)
     want = [[c.token_ids for c in o.outputs] for o in eager.generate(prompts, params, use_tqdm=False)]
     llm = LLM(model, **kw)
-    # every padded size captured when the engine started (flat and cut forwards), none during a call
-    assert set(llm.split.graphs) == set(llm.graphs.graphs) == {8, 4, 2, 1} and not llm.split.failed
-    made = llm._graphs_made()
+    assert set(llm.graphs.graphs) == {8, 4, 2, 1}  # flat steps' graphs captured when the engine started
     llm.choice.PROBES = 10 ** 9  # every decode step with shared blocks takes the cascade
     got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    assert llm.last_stats.cascade_steps >= 10 and llm._graphs_made() == made
+    assert llm.last_stats.cascade_steps >= 10 and llm.cascades.captures < llm.last_stats.cascade_steps
 
 
 def test_cascade_decode_in_the_engine_matches_flat():
@@ -299,7 +324,8 @@ def test_bad_kv_cache_dtype():
 def test_path_choice_times_both_paths_and_holds_its_path():
     """The cascade/flat choice: the first steps probe the cascade; then the median of recent cascade
     steps against the flat step's bytes times the flat graph steps' measured ratio to them; a path
-    changes only for a gain over the margin, and the step after a change is not timed."""
+    changes only for a gain over the margin, and the step after a change is not timed; the cascade
+    is timed again after REPROBE flat steps in a row and at each engine call's start."""
     from types import SimpleNamespace
 
     from paged_backend.integration.graphs import PathChoice
@@ -322,3 +348,14 @@ def test_path_choice_times_both_paths_and_holds_its_path():
     assert choice.cascade(batch)
     choice.note_cascade(5.0)  # (not timed either)
     assert list(choice.cascade_s)[-1] == 1.2
+    for s in (3.0, 3.0, 3.0, 3.0):  # the cascade slow now: flat again, REPROBE shared steps in a row
+        choice.note_cascade(s)
+    assert not any(choice.cascade(batch) for _ in range(choice.REPROBE))
+    assert choice.cascade(batch) and choice.cascade(batch)  # then the cascade is timed afresh
+    choice.note_flat(1.5, batch)
+    choice.new_run()  # an engine call starts: the cascade's earlier times are dropped, it probes
+    assert not choice.cascade_s and choice.cascade(batch)
+    for _ in range(choice.SETTLE):  # the call's first steps are not timed
+        choice.note_cascade(9.0)
+    choice.note_cascade(1.0)
+    assert list(choice.cascade_s) == [1.0]
