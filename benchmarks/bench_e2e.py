@@ -7,8 +7,8 @@ stop), bf16, on randomly initialised models of two shapes:
   vocab 128256).
 
 Engines, each on the same weights: ``ours`` (paged_backend.integration.LLM as it comes: flat decode
-steps replay CUDA graphs, cascade steps the model's graphs cut at attention, and samples sharing a
-prompt take the path whose steps measure faster), ``ours_cascade_graphs`` (every decode step a
+steps and cascade steps replay CUDA graphs, and samples sharing a prompt take the path whose steps
+measure faster), ``ours_cascade_graphs`` (every decode step a
 cascade, as ``ours`` runs them), ``ours_cascade`` (every decode step a cascade, all eager),
 ``ours_flat`` (every decode flat, in CUDA graphs), ``ours_flat_eager`` (flat, no graphs),
 ``hf_generate`` (transformers ``generate(num_return_sequences=64)`` with SDPA and its dense cache)

@@ -6,7 +6,8 @@
 
 Cases (models and LLM keyword arguments from benchmarks/bench_e2e.py, random weights, bf16):
 ``smol_flat`` SmolLM2-135M shape, every decode flat in CUDA graphs (``LLM(cascade=False)``);
-``smol_auto`` the same model as the engine comes (cascade allowed, PathChoice picks);
+``smol_auto`` the same model as the engine comes (cascade allowed, PathChoice picks); ``smol_cascade``
+every shared decode step a cascade (in CUDA graphs);
 ``llama8b_auto`` Llama-3-8B shape cut to 16 layers, as the engine comes.
 
 Per case, on one LLM (``profile=True``): two warm-ups (one as long as the measured runs, so every
@@ -62,6 +63,7 @@ from paged_backend.integration import LLM, SamplingParams  # noqa: E402
 CASES = {  # name -> (bench_e2e model, bench_e2e engine: its LLM keyword arguments)
     "smol_flat": ("smollm2-135m", "ours_flat"),
     "smol_auto": ("smollm2-135m", "ours"),
+    "smol_cascade": ("smollm2-135m", "ours_cascade_graphs"),
     "llama8b_auto": ("llama3-8b-16l", "ours"),
 }
 ATTN_PATTERNS = ("_decode_kernel", "_fold_states_kernel", "cascade", "node", "_merge_states_kernel",
@@ -91,7 +93,7 @@ class StepHook:
         self.reset()
         hook = self
 
-        def _finish(llm, step, stats):
+        def _finish(llm, step, stats, *rest):
             k = hook.count
             hook.count += 1
             prof = hook.cprofile if k in hook.cprofile_steps else None
@@ -100,7 +102,7 @@ class StepHook:
                     if prof is not None:
                         prof.enable()
                     try:
-                        return hook.orig(llm, step, stats)
+                        return hook.orig(llm, step, stats, *rest)
                     finally:
                         if prof is not None:
                             prof.disable()
