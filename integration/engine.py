@@ -287,6 +287,7 @@ class LLM:
             stats.step_log.append(dict(kind=step.kind, rows=len(batch.seqs), tokens=batch.num_tokens,
                                        host_s=step.t_issued - step.t0, total_s=dt, gpu_s=gpu, attend_s=attend))
         stats.steps += 1
+        stats.graph_captures += step.captured
         if batch.num_prefill_tokens:
             stats.prefill_time += dt
         else:

@@ -64,6 +64,7 @@ class RunStats:
     decode_steps: int = 0
     cascade_steps: int = 0
     ahead_steps: int = 0  # steps launched before the previous step's tokens were back
+    graph_captures: int = 0  # steps that captured a CUDA graph first (cascade steps of a new plan shape)
     prefill_time: float = 0.0
     decode_time: float = 0.0
     wall_time: float = 0.0

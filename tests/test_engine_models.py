@@ -155,6 +155,7 @@ def test_cascade_graph_buffers_and_padding_on_the_cpu():
     assert got == want
     steps = [s["kind"] for s in llm.last_stats.step_log].count("cascade")
     assert steps == 13 and sorted(llm.cascades.graphs) == [4, 8] and llm.cascades.captures < steps
+    assert llm.last_stats.graph_captures == llm.cascades.captures
 
 
 @pytest.mark.gpu
