@@ -425,6 +425,39 @@ def test_forest_reuse_copies_the_partition_only_when_equal(monkeypatch, seed, ho
         assert getattr(got, name) == getattr(want, name)
 
 
+@pytest.mark.parametrize("hopper", [False, True])
+@pytest.mark.parametrize("programs", [(64, 64), (200, 200)])
+def test_decode_steps_of_cut_tails_copy_the_partition(monkeypatch, programs, hopper):
+    """Samples of one prompt, one token a step, their tails cut over more programs than they have
+    (1, then 2 and 3 pieces a tail as they reach new tiles): a step whose tails keep their tiles
+    copies the partition (only each tail's last piece ends later); either way it equals the
+    partition made from scratch, bit for bit."""
+    if hopper:
+        monkeypatch.setattr(cfused, "use_sm90", lambda device: True)
+        monkeypatch.setattr(cpart, "choose_block_m", lambda *a, **k: 128)
+    from tests.test_cascade_arena import steps_of_samples
+    bs, n, hkv = 16, 12, 2
+    steps, _ = steps_of_samples(bs, 24, n, prompt=9 * bs + 3, steps=80)
+    kw = dict(num_q_heads=8, num_kv_heads=hkv, head_dim=64, block_size=bs, device="cpu", cost=CascadeCost(0, 0, 0),
+              node_programs=programs[0], leaf_programs=programs[1])
+    same_tails = cpart._same_tails
+    prev, cut_and_copied = None, 0
+    for table, lens in steps:
+        copied = []
+        monkeypatch.setattr(cpart, "_same_tails", lambda *a: copied.append(same_tails(*a)) or copied[-1])
+        got = pb.plan_cascade(table, lens, **kw, forest=prev)
+        monkeypatch.setattr(cpart, "_same_tails", lambda *a: False)
+        want = pb.plan_cascade(table, lens, **kw, forest=prev) if prev is not None else got
+        assert torch.equal(got.buffers, want.buffers) and got.num_leaf_pieces == want.num_leaf_pieces
+        check_partition(got)
+        tiles = -(-(lens[0] - 9 * bs) // got.block_n)  # each tail's tiles (all samples alike)
+        if prev is not None and tiles == -(-(prev.seq_lens_host[0] - 9 * bs) // got.block_n):
+            assert copied == [True]  # the same tiles a tail: copied
+            cut_and_copied += got.num_leaf_pieces > n * hkv
+        prev = got
+    assert cut_and_copied >= 40 and ("fused_items" in got.host) == hopper
+
+
 def test_forest_reuse_rejects_a_changed_batch(monkeypatch):
     rng = np.random.default_rng(7)
     reqs = [([0, 1, 2], 3), ([0, 1, 2], 5), ([0, 1, 4], 0), ([7], 1)]

@@ -78,19 +78,24 @@ def _node_grid(node_programs, sms: int, block_m: int) -> int:
 
 
 def _same_tails(plan, forest, gl: int) -> bool:
-    """The same requests have tails as in ``forest``, one piece per (request, kv_head) then and now
-    (so the same pieces, programs and merge lists: only the tails' lengths differ). With fused lists
-    (``fused.fused_order``) the tails are cut over the node programs, and those lists must be the same."""
+    """Whether ``forest``'s tail pieces serve this step with only their ends moved: the same requests
+    have tails as then, and each tail has as many tiles as then (the stream-K cut is a function of
+    the tiles, the programs and the KV heads: the same pieces, lists and slots; decode steps of one
+    token move a tail to its next tile once every ``block_n`` tokens), or one piece per (request,
+    kv_head) then and now. With fused lists (``fused.fused_order``) the tails are cut over the node
+    programs, and those lists must be the same."""
     lens, shared, hkv = plan.seq_lens_host, plan.tail_start(), plan.num_kv_heads
     live = lens > shared
-    n = int(np.count_nonzero(live))
-    if forest.num_leaf_pieces != n * hkv or not np.array_equal(live, forest.seq_lens_host > forest.tail_start()):
+    if not np.array_equal(live, forest.seq_lens_host > forest.tail_start()):
         return False
-    if not n:
+    units = -(-(lens[live] - shared[live]) // plan.block_n)  # [n] each live tail's tiles
+    if np.array_equal(units, -(-(forest.seq_lens_host[live] - forest.tail_start()[live]) // plan.block_n)):
         return True
+    n = units.size
+    if forest.num_leaf_pieces != n * hkv:
+        return False
     fused = "fused_items" in forest.host
-    lseg, _, lprog, cut_at, _ = cut_pieces(-(-(lens[live] - shared[live]) // plan.block_n),
-                                           forest.node_programs if fused else gl, hkv)
+    lseg, _, lprog, cut_at, _ = cut_pieces(units, forest.node_programs if fused else gl, hkv)
     if cut_at.size or lseg.size != n * hkv:
         return False
     if fused:  # the fused lists follow from the node programs (the forest's) and the tails' runs
@@ -100,17 +105,19 @@ def _same_tails(plan, forest, gl: int) -> bool:
 
 
 def _copy_partition(plan, forest, block_table_device):
-    """``forest``'s partition with this step's lengths. -> the staging (tensor, {part: host view})."""
+    """``forest``'s partition with this step's lengths: the last piece of each tail ends at its
+    request's length (the pieces of a (request, kv_head) tail are consecutive; their starts and
+    inner cuts stay). -> the staging (tensor, {part: host view})."""
     src, h = staging(plan, [(name, v.size) for name, v in forest.host.items() if name != "block_table"],
                      block_table_device)
     for name, v in forest.host.items():
         if name not in ("seq_lens", "block_table"):
             h[name][:] = v
-    starts = plan.tail_start()
-    live = plan.seq_lens_host > starts
-    tails = h["leaf_work"].reshape(-1, plan.num_kv_heads, LEAF_FIELDS)
-    tails[:, :, 2] = starts[live][:, None]
-    tails[:, :, 3] = plan.seq_lens_host[live][:, None]
+    work = h["leaf_work"].reshape(-1, LEAF_FIELDS)
+    if work.size:
+        last = np.ones(work.shape[0], dtype=bool)
+        last[:-1] = (work[1:, 0] != work[:-1, 0]) | (work[1:, 1] != work[:-1, 1])
+        work[last, 3] = plan.seq_lens_host[work[last, 0]]
     h["seq_lens"][:] = plan.seq_lens_host
     for name in ("block_m", "node_programs", "leaf_programs", "num_node_pieces", "num_leaf_pieces", "num_slots",
                  "max_merge_len"):
