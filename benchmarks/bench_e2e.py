@@ -24,6 +24,7 @@ host's share, and peak GPU memory. Results: ``benchmarks/results/<gpu>.json`` (b
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -103,6 +104,7 @@ def run_ours(model, prompt, n, new, kwargs: dict, device) -> dict:
     rec = dict(wall_s=wall, tokens=n * new, tok_s=n * new / wall, prefill_s=st.prefill_time,
                decode_s=st.decode_time, decode_tok_s=(n * (new - 1)) / st.decode_time if st.decode_time else None,
                decode_steps=len(dec), cascade_steps=st.cascade_steps, graph_captures=st.graph_captures,
+               paths=" ".join(f"{k}x{len(list(g))}" for k, g in itertools.groupby(s["kind"] for s in dec)),
                graph_steps=sum(s["kind"] == "graph" for s in dec), step_ms=med("total_s"),
                step_gpu_ms=med("gpu_s"), step_host_ms=med("host_s"), attend_ms=med("attend_s"),
                peak_gib=_peak(device), kv_pool_gib=llm.cache.nbytes / 2 ** 30)
