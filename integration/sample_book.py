@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from numbers import Integral
+from operator import is_
 
 import numpy as np
 
 from .outputs import CompletionOutput, RequestOutput
 from .requests import Request
-from .sampler import SampleRows, row_keys
+from .sampler import SampleRows, keys_at, sample_keys
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class SampleBook:
         self.index: dict[int, int] = {}        # seq id -> sample index (absent: 0)
         self.cumulative: dict[int, float] = {}  # seq id -> sum of its tokens' log-probabilities
         self.logprobs: dict[int, list] = {}     # seq id -> per token {id: log-probability}
+        self._same = None  # the last step's (sequences, their sample keys, fixed settings), see rows
+        self._sample_keys = None
 
     def add(self, request: Request) -> None:
         """Keeps a request's :class:`Draw` before it is scheduled: a bad value raises here (see
@@ -54,7 +57,23 @@ class SampleBook:
     def rows(self, batch) -> tuple[SampleRows, np.ndarray | None]:
         """The step's sample rows: each row with num_samples = c > 0 gives c rows (a prompt that
         forks into n samples draws n tokens from its last position). -> (rows, c per row, or None
-        when every c is 1)."""
+        when every c is 1). A step of the same sequences as the last one, each drawing one token
+        (the usual decode step), reuses their settings arrays and noise-key parts: only the
+        positions are read anew."""
+        seqs, same = batch.seqs, self._same
+        if same is not None and len(seqs) == len(same[0]) and all(map(is_, seqs, same[0])) \
+                and (batch.num_samples == 1).all():
+            position = np.fromiter((len(s.token_ids) - s.num_prompt_tokens for s in seqs), np.int64, len(seqs))
+            return SampleRows(**same[2], key=keys_at(same[1], position)), None
+        rows, fork = self._rows(batch)
+        self._same = None
+        if fork is None and len(rows.temperature) == len(seqs):  # (every row draws one token)
+            fixed = dict(temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p, min_p=rows.min_p,
+                         num_logprobs=rows.num_logprobs)
+            self._same = (list(seqs), self._sample_keys, fixed)
+        return rows, fork
+
+    def _rows(self, batch) -> tuple[SampleRows, np.ndarray | None]:
         sel = np.flatnonzero(batch.num_samples)
         counts = batch.num_samples[sel]
         seqs = [batch.seqs[i] for i in sel]
@@ -74,8 +93,9 @@ class SampleBook:
             top_k=np.array([d.top_k for d in draws], np.int64),
             top_p=np.array([d.top_p for d in draws], np.float32),
             min_p=np.array([d.min_p for d in draws], np.float32),
-            key=row_keys(np.array([d.seed for d in draws], np.uint64), index, position),
+            key=keys_at(sampled := sample_keys(np.array([d.seed for d in draws], np.uint64), index), position),
             num_logprobs=max((d.logprobs for d in draws), default=0))
+        self._sample_keys = sampled
         return rows, fork
 
     def record(self, batch, tokens: np.ndarray, logprobs: np.ndarray, top, stale: np.ndarray | None = None) -> None:

@@ -28,10 +28,19 @@ from .step import to_device
 def row_keys(seeds: np.ndarray, sample_index: np.ndarray, position: np.ndarray) -> np.ndarray:
     """[S] uint32 noise key of each sample row from its request seed (< 2^64), its index among the
     request's samples and its output position (the index of the token being drawn)."""
+    return keys_at(sample_keys(seeds, sample_index), position)
+
+
+def sample_keys(seeds: np.ndarray, sample_index: np.ndarray) -> np.ndarray:
+    """[S] uint32: the part of :func:`row_keys` fixed for a sample (its seed and index)."""
     seeds = np.asarray(seeds, np.uint64)
     k = mix32((seeds & np.uint64(M32)).astype(np.uint32) ^ mix32((seeds >> np.uint64(32)).astype(np.uint32)))
-    k = mix32(k ^ mix32(np.asarray(sample_index, np.uint32) + np.uint32(0x632BE5AB)))
-    return mix32(k ^ mix32(np.asarray(position, np.uint32) + np.uint32(0x2545F491)))
+    return mix32(k ^ mix32(np.asarray(sample_index, np.uint32) + np.uint32(0x632BE5AB)))
+
+
+def keys_at(sample_key: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """[S] uint32 row keys of samples (:func:`sample_keys`) drawing their token at ``position``."""
+    return mix32(sample_key ^ mix32(np.asarray(position, np.uint32) + np.uint32(0x2545F491)))
 
 
 @dataclass
@@ -62,6 +71,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._vocab_hash = vocab_hash(vocab_size, self.device)  # [V]
+        self._settings = None  # the last rows' settings arrays and what was made of them (see _filters)
 
     def __call__(self, logits: torch.Tensor, rows: SampleRows) -> Sampled:
         """logits [S, V] (any float dtype) -> :class:`Sampled`."""
@@ -73,30 +83,62 @@ class Sampler:
         if s == 0:  # a step of prefill chunks only: nothing to draw
             return Sampled(torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, device=dev))
         raw_lse = torch.logsumexp(logits, dim=-1)  # [S]
-        greedy_np = rows.temperature == 0
-        tokens = torch.argmax(logits, dim=-1) if greedy_np.any() else None
-        if not greedy_np.all():
-            use_k = (rows.top_k > 0) & (rows.top_k < v)
-            use_p = rows.top_p < 1.0
-            # every row's settings in one asynchronous copy (a pageable one waits for the forward)
-            key, k, temp, min_p, top_p, greedy = to_device(
-                [rows.key.astype(np.int64), np.where(use_k, rows.top_k, v).astype(np.int64),
-                 np.where(greedy_np, 1.0, rows.temperature).astype(np.float32), rows.min_p.astype(np.float32),
-                 np.where(use_p, rows.top_p, np.inf).astype(np.float32), greedy_np], dev)
-            x = logits / temp[:, None]
-            if (rows.min_p > 0).any():
-                x = _min_p(x, min_p)
-            if use_k.any() or use_p.any():
-                x = _top_k_top_p(x, k, top_p if use_p.any() else None)
+        f = self._filters(rows, v, dev)
+        tokens = torch.argmax(logits, dim=-1) if f.any_greedy else None
+        if not f.all_greedy:
+            # (an asynchronous copy: a pageable one waits for the forward)
+            key = to_device([rows.key.astype(np.int64)], dev)[0]
+            x = logits / f.temp[:, None]
+            if f.any_min_p:
+                x = _min_p(x, f.min_p)
+            if f.any_k or f.any_p:
+                x = _top_k_top_p(x, f.k, f.top_p if f.any_p else None)
             # Gumbel-max: argmax(x + g) with g = -log(-log(u)), u uniform in (0, 1) from the hash
             drawn = gumbel_argmax(x, key, self._vocab_hash)
-            tokens = drawn if tokens is None else torch.where(greedy, tokens, drawn)
+            tokens = drawn if tokens is None else torch.where(f.greedy, tokens, drawn)
         logprobs = logits.gather(1, tokens[:, None])[:, 0] - raw_lse
         out = Sampled(tokens, logprobs)
         if rows.num_logprobs > 0:
             top, ids = torch.topk(logits, min(rows.num_logprobs, v), dim=-1)
             out.top_ids, out.top_logprobs = ids, top - raw_lse[:, None]
         return out
+
+
+    def _filters(self, rows: SampleRows, v: int, dev) -> _Filters:
+        """The rows' settings on the device, made once for the settings arrays of a batch: the engine
+        passes the same arrays while a decode batch keeps its samples (SampleBook.rows)."""
+        arrays = (rows.temperature, rows.top_k, rows.top_p, rows.min_p)
+        last = self._settings
+        if last is not None and last[1] == v and all(a is b for a, b in zip(arrays, last[0])):
+            return last[2]
+        greedy_np = rows.temperature == 0
+        use_k = (rows.top_k > 0) & (rows.top_k < v)
+        use_p = rows.top_p < 1.0
+        # every row's settings in one copy
+        k, temp, min_p, top_p, greedy = to_device(
+            [np.where(use_k, rows.top_k, v).astype(np.int64), np.where(greedy_np, 1.0, rows.temperature).astype(np.float32),
+             rows.min_p.astype(np.float32), np.where(use_p, rows.top_p, np.inf).astype(np.float32), greedy_np], dev)
+        f = _Filters(bool(greedy_np.any()), bool(greedy_np.all()), bool(use_k.any()), bool(use_p.any()),
+                     bool((rows.min_p > 0).any()), k, temp, min_p, top_p, greedy)
+        self._settings = (arrays, v, f)
+        return f
+
+
+@dataclass
+class _Filters:
+    """A batch's sampling settings: which filters any row uses (host), and per row on the device
+    ``k [S]`` (V = off), ``temp [S]`` (1 for greedy rows), ``min_p``, ``top_p [S]`` (inf = off),
+    ``greedy [S]`` bool."""
+    any_greedy: bool
+    all_greedy: bool
+    any_k: bool
+    any_p: bool
+    any_min_p: bool
+    k: torch.Tensor
+    temp: torch.Tensor
+    min_p: torch.Tensor
+    top_p: torch.Tensor
+    greedy: torch.Tensor
 
 
 def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

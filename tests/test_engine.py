@@ -2,6 +2,7 @@
 transformers' generate(); batch invariance; seeded sampling; preemption under KV exhaustion;
 stop strings, logprobs; bad input refused with the input named and nothing finished lost."""
 import copy
+import operator
 
 import numpy as np
 import pytest
@@ -199,6 +200,32 @@ def test_sampling_params_of_the_wrong_kind_and_messages_without_content_are_name
                   [{"role": "user", "content": "Hi"}, {"role": "assistant"}]], use_tqdm=False)
     with pytest.raises(ValueError, match=r"messages\[0\] has no 'role'"):
         llm.chat([{"content": "Hi"}], use_tqdm=False)
+
+
+def test_decode_steps_of_the_same_samples_reuse_their_settings(llm, monkeypatch):
+    """A decode step of the samples of the last one reuses their sampling settings and noise-key
+    parts (SampleBook.rows) and the sampler its device copies of the settings: the outputs equal
+    those made with every step's rows and settings built anew; the reuse happened."""
+    from paged_backend.integration.sample_book import SampleBook
+    from paged_backend.integration.sampler import Sampler
+    params = [SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=14, logprobs=2, ignore_eos=True, top_k=20),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8, top_p=0.9, min_p=0.05, ignore_eos=True)]
+    hits = []
+    real = SampleBook.rows
+    monkeypatch.setattr(SampleBook, "rows", lambda self, batch: hits.append(self._same is not None and all(
+        map(operator.is_, batch.seqs, self._same[0]))) or real(self, batch))
+    outs = {}
+    for fresh in (False, True):
+        if fresh:  # every step's rows built anew, and new arrays for the sampler each time
+            monkeypatch.setattr(SampleBook, "rows", lambda self, batch: self._rows(batch))
+            monkeypatch.setattr(Sampler, "_settings", None, raising=False)
+            monkeypatch.setattr(Sampler, "__setattr__", lambda self, k, v: object.__setattr__(
+                self, k, None if k == "_settings" else v))
+        got = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        outs[fresh] = [(c.token_ids, c.cumulative_logprob, c.logprobs) for o in got for c in o.outputs]
+    assert outs[False] == outs[True]
+    assert sum(hits) >= 8
 
 
 def test_steps_run_ahead_change_no_output(llm):
