@@ -44,8 +44,6 @@ exits 0.
 from __future__ import annotations
 
 import argparse
-import itertools
-import math
 import os
 import statistics
 import sys
@@ -72,8 +70,6 @@ CASES = {"B1x8K": [8 * K], "B1x32K": [32 * K], "B4x8K": [8 * K] * 4, "B64x4K": [
 HQ, HKV, D, BS = 32, 8, 128, 16
 PLANS = ("sk", "split")
 MODE = {"sk": "stream_k", "split": "split"}
-ROTATE_BYTES = 256e6
-MAX_SETS = 8
 BUDGET_S = 70.0  # optional parts are skipped past this (the whole run stays under 90 s)
 T0 = time.perf_counter()
 
@@ -88,26 +84,9 @@ def log(msg: str) -> None:
 
 # ----------------------------------------------------------------------------- inputs and calls
 def make_inputs(lens, seed=0):
-    dev = torch.device("cuda")
-    need = [-(-n // BS) for n in lens]
-    nb = sum(need) + 1
-    gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(nb, generator=gen).to(torch.int32)
-    table = torch.full((len(lens), max(need)), int(perm[-1]), dtype=torch.int32)
-    at = 0
-    for b, n in enumerate(need):
-        table[b, :n] = perm[at:at + n]
-        at += n
-    set_bytes = 2 * nb * BS * HKV * D * 2
-    n_sets = max(1, min(MAX_SETS, math.ceil(ROTATE_BYTES / set_bytes)))
-    torch.manual_seed(seed)
-    sets = []
-    for _ in range(n_sets):
-        q = torch.randn(len(lens), HQ, D, device=dev, dtype=torch.bfloat16)
-        k = torch.randn(nb, BS, HKV, D, device=dev, dtype=torch.bfloat16)
-        v = torch.randn(nb, BS, HKV, D, device=dev, dtype=torch.bfloat16)
-        sets.append((q, k, v))
-    return table.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev), sets
+    """(block table, lengths, input sets) as bench_decode makes them (pages shuffled, sets rotated past the L2)."""
+    inp = C.make_paged_inputs(lens, HQ, HKV, D, BS, torch.bfloat16, "cuda", seed=seed)
+    return inp.block_table, inp.seq_lens, inp.sets
 
 
 def make_plan(lens, mode):
@@ -117,13 +96,6 @@ def make_plan(lens, mode):
 
 def make_fns(bt, sl, sets, plan):
     return [lambda q=q, k=k, v=v: pb.paged_decode(q, k, v, bt, sl, plan=plan) for q, k, v in sets]
-
-
-def rotate(fns):
-    if len(fns) == 1:
-        return fns[0]
-    it = itertools.cycle(fns)
-    return lambda: next(it)()
 
 
 # ----------------------------------------------------------------------------- timings
@@ -347,7 +319,7 @@ def run_case(name, lens, args) -> dict:
     bt, sl, sets = make_inputs(lens, seed=sum(map(ord, name)))
     plans = {p: make_plan(lens, MODE[p]) for p in PLANS}
     fns = {p: make_fns(bt, sl, sets, plans[p]) for p in PLANS}
-    rot = {p: rotate(fns[p]) for p in PLANS}
+    rot = {p: C.rotate(fns[p]) for p in PLANS}
     rec = {p: {"plan": plan_note(plans[p])} for p in PLANS}
     outs = {}
     for p in PLANS:  # first calls: compile and bind
@@ -397,7 +369,7 @@ def pdl_ab(args) -> dict:
                 fns = make_fns(bt, sl, sets, make_plan(lens, MODE[p]))
                 fns[0]()
                 torch.cuda.synchronize()
-                res[(pdl, p)] = (bench_us(rotate(fns)), C.graph_time_us(fns), host_us(rotate(fns), calls=500)["host"])
+                res[(pdl, p)] = (bench_us(C.rotate(fns)), C.graph_time_us(fns), host_us(C.rotate(fns), calls=500)["host"])
     finally:
         if old is None:
             os.environ.pop("PAGED_BACKEND_PDL", None)
@@ -415,7 +387,7 @@ def child(kind: str) -> dict:
         for p in PLANS:
             fns[p][0]()
         torch.cuda.synchronize()
-        return {"order": [(p, bench_us(rotate(fns[p]))) for p in ("split", "sk", "split", "sk")]}
+        return {"order": [(p, bench_us(C.rotate(fns[p]))) for p in ("split", "sk", "split", "sk")]}
     # events: host cost of a timing event's first record (do_bench makes 2 new ones per timed call)
     torch.zeros(1, device="cuda")
     torch.cuda.synchronize()
