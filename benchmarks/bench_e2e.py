@@ -8,8 +8,10 @@ stop), bf16, on randomly initialised models of two shapes:
 
 Engines, each on the same weights: ``ours`` (paged_backend.integration.LLM as it comes: flat decode
 steps and cascade steps replay CUDA graphs, and samples sharing a prompt take the path whose steps
-measure faster), ``ours_cascade_graphs`` (every decode step a
-cascade, as ``ours`` runs them), ``ours_cascade`` (every decode step a cascade, all eager),
+measure faster; on a GPU the model's layers compiled, integration/compiled.py),
+``ours_cascade_graphs`` (every decode step a cascade, as ``ours`` runs them),
+``ours_cascade_nocompile`` (the same, the layers not compiled), ``ours_cascade`` (every decode step
+a cascade, all eager),
 ``ours_flat`` (every decode flat, in CUDA graphs), ``ours_flat_eager`` (flat, no graphs),
 ``hf_generate`` (transformers ``generate(num_return_sequences=64)`` with SDPA and its dense cache)
 and ``hf_generate_batch`` (transformers' continuous batching with its paged cache; slow, so timed
@@ -45,9 +47,11 @@ MODELS = {
 }
 QUICK_MODELS = {"tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)}
-ENGINES = ("ours", "ours_cascade_graphs", "ours_cascade", "ours_flat", "ours_flat_eager", "hf_generate",
+ENGINES = ("ours", "ours_cascade_graphs", "ours_cascade_nocompile", "ours_cascade", "ours_flat", "ours_flat_eager",
+           "hf_generate",
            "hf_generate_batch")
-OURS = {"ours": dict(), "ours_cascade_graphs": dict(always_cascade=True), "ours_cascade": dict(enforce_eager=True),
+OURS = {"ours": dict(), "ours_cascade_graphs": dict(always_cascade=True),
+        "ours_cascade_nocompile": dict(always_cascade=True, compile_model=False), "ours_cascade": dict(enforce_eager=True),
         "ours_flat": dict(cascade=False),
         "ours_flat_eager": dict(cascade=False, enforce_eager=True)}  # LLM keyword arguments (always_cascade: ours)
 

@@ -26,6 +26,7 @@ from paged_backend.scheduler.scheduler import FINISHED
 
 from . import hf_attention, models
 from .cascade_graphs import CascadeGraphs
+from .compiled import CompiledForward
 from .graphs import DecodeGraphs, PathChoice, padded_sizes
 from .launched import Launched
 from .kv_cache import KVCacheSpec, PagedKVCache, blocks_for
@@ -67,6 +68,10 @@ class LLM:
     work overlaps the device's (as vLLM's async scheduling). Only while every running sample
     decodes, nothing waits and no preemption is needed; a sample that stops on EOS or a stop string
     runs one step more, whose token is dropped. Outputs are the same either way.
+    compile_model: compile each decoder layer with ``torch.compile`` (Inductor), attention left out
+    (:mod:`.compiled`): the model's norms, RoPE and residuals fused. Default: on a GPU unless
+    ``enforce_eager``; a string or callable names another ``torch.compile`` backend (tests:
+    "aot_eager"). The model object itself is not changed (its own calls stay uncompiled).
     """
 
     def __init__(self, model=None, *, tokenizer=None, dtype="auto", device=None, block_size: int = 16,
@@ -74,7 +79,10 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, cascade: bool | CascadeCost = True, seed: int = 0,
                  enforce_eager: bool = False, profile: bool = False, kv_cache_dtype: str = "auto",
-                 async_scheduling: bool = True):
+                 async_scheduling: bool = True, compile_model=None):
+        if compile_model is not None and not isinstance(compile_model, (bool, str)) and not callable(compile_model):
+            raise TypeError(f"compile_model must be None, a bool, a torch.compile backend's name or a callable backend, "
+                            f"got {type(compile_model).__name__}")
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = models.pick_dtype(dtype, self.device)
         if isinstance(model, torch.nn.Module):
@@ -106,12 +114,17 @@ class LLM:
                                    cascade_cost=cascade if isinstance(cascade, CascadeCost) else None,
                                    windows=self.info.windows)
         self.sampler = Sampler(self.info.vocab_size, self.device)
+        if compile_model is None:
+            compile_model = self.device.type == "cuda" and not enforce_eager
+        self.forward = self.model  # what runs the model: the model, or its layers compiled (the model unchanged)
+        if compile_model:
+            self.forward = CompiledForward.of(self.model, **({} if compile_model is True else {"backend": compile_model}))
         self.graphs = self.cascades = self.choice = None
         if not enforce_eager and self.device.type == "cuda":
-            self.graphs = DecodeGraphs(self.model, self.cache, num_q_heads=self.info.num_q_heads,
+            self.graphs = DecodeGraphs(self.forward, self.cache, num_q_heads=self.info.num_q_heads,
                                        max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                                        windows=self.info.windows)
-            self.cascades = CascadeGraphs(self.model, self.cache, self.builder, max_num_seqs=max_num_seqs,
+            self.cascades = CascadeGraphs(self.forward, self.cache, self.builder, max_num_seqs=max_num_seqs,
                                           max_model_len=self.max_model_len)
             self.choice = PathChoice(self.model, spec.bytes_per_block // block_size, self.device)
             self._capture(max_num_seqs)
@@ -322,7 +335,7 @@ class LLM:
         if timed and self.device.type == "cuda":
             step.attend_events = self._attend_events = []
         with torch.inference_mode():
-            logits = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
+            logits = self.forward(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
                                 logits_to_keep=step.logits_indices, paged_step=step).logits[0]
         return CASCADE if step.is_cascade else step.kind, logits
 

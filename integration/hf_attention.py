@@ -26,6 +26,7 @@ from paged_backend.kernels.prefill import prefill_chunk_torch, prefill_chunks_to
 ATTN_IMPLEMENTATION = "paged_backend"
 
 
+@torch.compiler.disable  # a compiled model (integration/compiled.py) breaks its graphs here: our ops run as they are
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
     """query [1, Hq, T, D], key/value [1, Hkv, T, D] (after RoPE and any q/k norm) -> (out [1, T, Hq, D], None)."""

@@ -131,6 +131,30 @@ def test_gpu_decode_graphs_match_eager():
     assert kinds.count("graph") >= 15 and set(llm.graphs.graphs) >= {8, 4}
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_compiled_layers_give_the_same_tokens(family):
+    """Decoder layers compiled with torch.compile (AOT autograd's graphs, run eagerly: the CPU test
+    of the tracing; Inductor runs on the GPU), attention a graph break: the uncompiled engine's
+    tokens, n samples of two prompts (prefill, cascade and flat decode). The layers run compiled
+    inside the engine's calls only: the user's model object is left as it was."""
+    from paged_backend.integration.compiled import CompiledForward
+    model = tiny(family, seed=2)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + 50))}, {"prompt_token_ids": list(range(7, 7 + 35))}]
+    params = SamplingParams(n=3, temperature=0, max_tokens=8)
+    kw = dict(device="cpu", num_blocks=96, cascade=CascadeCost(0, 0, 0), max_num_seqs=8)
+    want = [[c.token_ids for c in o.outputs] for o in LLM(model, **kw).generate(prompts, params, use_tqdm=False)]
+    layers = model.get_decoder().layers
+    seen = []  # per model call: were the layers' compiled calls in place?
+    model.register_forward_pre_hook(lambda m, args: seen.append(all(x._compiled_call_impl is not None for x in layers)))
+    llm = LLM(model, compile_model="aot_eager", **kw)
+    assert isinstance(llm.forward, CompiledForward)
+    assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert seen and all(seen) and all(x._compiled_call_impl is None for x in layers)
+    assert CompiledForward.of(torch.nn.Linear(2, 2)).__class__ is torch.nn.Linear  # no decoder layers: not compiled
+    with pytest.raises(TypeError, match="compile_model"):
+        LLM(model, compile_model=3, **kw)
+
+
 @pytest.mark.kernel
 @pytest.mark.skipif(not INTERPRET, reason="replays through earlier plans need the kernels, which read the plans' "
                                           "buffers (the torch path reads host copies): the TRITON_INTERPRET=1 pass")

@@ -1,0 +1,72 @@
+"""The model's small ops fused by ``torch.compile``, our attention left as it is.
+
+A decode step of 64 rows spends most of its GPU time outside attention and the GEMMs: each
+decoder layer runs its norms (7 kernels each in transformers' RMSNorm), RoPE (slices, negations,
+concatenations), casts and residual adds as separate 1-3 us kernels (SmolLM2 shape, H200: ~1.6 ms
+of a 2.8 ms cascade step, ``benchmarks/results/sweeps/engine_step_profile_cascade_graphs_h200.txt``).
+:class:`CompiledForward` compiles each decoder layer with the attention function
+(``hf_attention.paged_attention``) as a graph break - it is ``torch.compiler.disable``-d - so
+Inductor fuses what lies between two attention calls and our kernels, plans and K/V writes run as
+they do eagerly; the CUDA graphs then capture the fused kernels. One compiled code serves every
+layer of a model (their parameters are inputs); a new batch size is compiled once with dynamic
+shapes. Compiling happens in the first runs of each shape (the graphs' warm-ups), never inside a
+capture.
+
+The user's model is not changed: the compiled calls are put on its layers only while the engine
+runs it (a ``model.generate`` of the same model object afterwards runs its plain layers).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def decoder_layers(model: torch.nn.Module):
+    """The model's decoder layers (an ``nn.ModuleList``), or None where they are not where
+    transformers' decoder-only models keep them (``model.get_decoder().layers``)."""
+    get = getattr(model, "get_decoder", None)
+    layers = getattr(get() if callable(get) else None, "layers", None)
+    return layers if isinstance(layers, torch.nn.ModuleList) and len(layers) else None
+
+
+class CompiledForward:
+    """Calls ``model(**kwargs)`` with each decoder layer compiled (``backend``: a ``torch.compile``
+    backend, a name or a callable; tests use ``"aot_eager"``).
+
+    Each layer's compiled call is what ``nn.Module.compile`` would set (``_compiled_call_impl``,
+    which ``nn.Module.__call__`` runs in place of the plain call), set here only for the duration of
+    a call and restored after it."""
+
+    def __init__(self, model: torch.nn.Module, layers: torch.nn.ModuleList, backend="inductor"):
+        self.model, self.layers = model, layers
+        self.calls = [torch.compile(layer._call_impl, backend=backend, dynamic=None) for layer in layers]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, backend="inductor"):
+        """-> a CompiledForward of ``model``, or the model itself where it keeps no decoder layers
+        at ``get_decoder().layers`` (nothing compiled, a warning logged)."""
+        layers = decoder_layers(model)
+        if layers is None:
+            log.warning("torch.compile skipped: %s keeps no decoder layers at get_decoder().layers", type(model).__name__)
+            return model
+        return cls(model, layers, backend)
+
+    def __call__(self, **kwargs):
+        with self.active():
+            return self.model(**kwargs)
+
+    @contextlib.contextmanager
+    def active(self):
+        """The layers' compiled calls in place (those of an enclosing call kept and restored)."""
+        saved = [layer._compiled_call_impl for layer in self.layers]
+        for layer, call in zip(self.layers, self.calls):
+            layer._compiled_call_impl = call
+        try:
+            yield
+        finally:
+            for layer, call in zip(self.layers, saved):
+                layer._compiled_call_impl = call
