@@ -160,6 +160,10 @@ def test_cli_exit_status_table_and_json(tmp_path, capsys):
     assert main(["--impl", spec, "--device", "cpu", "--case", "decode_ragged"]) == 0
     assert main(["--impl", spec, "--device", "cpu", "--case", "decode_ragged", "--case", "decode_softcap"]) == 1
     assert "1 passed, 1 failed" in capsys.readouterr().out
+    assert main(["--impl", spec, "--device", "cpu", "--case", "decode_ragged", "--case", "decode_softcap", "-v"]) == 1
+    err = capsys.readouterr().err.splitlines()  # -v: a line per case as it ends
+    assert [line.split(" (")[0] for line in err] == ["decode_ragged: passed", "decode_softcap: failed"]
+    assert all(line.endswith(" s)") for line in err)
 
 
 def test_python_dash_m():

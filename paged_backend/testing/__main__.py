@@ -1,5 +1,5 @@
 """``python -m paged_backend.testing --impl ours|sdpa|flashinfer|xformers|module:attr [--device D]
-[--quick] [--case NAME ...] [--json PATH]``: runs the conformance cases against one implementation,
+[--quick] [--case NAME ...] [--json PATH] [-v]``: runs the conformance cases against one implementation,
 prints a table (case, passed / failed / not supported, errors); exit status 1 if any case failed."""
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ def main(argv=None) -> int:
     ap.add_argument("--case", action="append", default=None, help="run only these cases (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="also save the results as JSON")
+    ap.add_argument("-v", "--verbose", action="store_true", help="a line on stderr as each case ends")
     args = ap.parse_args(argv)
     device = args.device or default_device()
-    results = run_suite(args.impl, device, quick=args.quick, cases=args.case, seed=args.seed)
+    said = (lambda r, s: print(f"{r.case}: {r.status} ({s:.1f} s)", file=sys.stderr, flush=True)) if args.verbose else None
+    results = run_suite(args.impl, device, quick=args.quick, cases=args.case, seed=args.seed, on_result=said)
     print(format_table(results, f"paged_backend.testing: impl={args.impl} device={device}"
                                 f"{' (quick)' if args.quick else ''}"))
     if args.json:

@@ -166,7 +166,11 @@ class FlashInfer(_Peer):
     groups = (1, 2, 3, 4, 8)  # query heads per KV head of its CUDA-core decode kernel
 
     def _supports(self, case):
-        return "no sinks in the paged decode/prefill wrappers" if case.sinks else True
+        if case.sinks:
+            return "no sinks in the paged decode/prefill wrappers"
+        if case.dtype == torch.float32:  # its kernels dispatch fp16 / bf16 queries (fp8 KV beside them)
+            return "fp32 inputs: its kernels take fp16 / bf16"
+        return True
 
     def run(self, inp: CaseInputs):
         fi, q, k, v = self.mod, inp.q, inp.k_cache, inp.v_cache

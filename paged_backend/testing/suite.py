@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 import traceback
 from dataclasses import asdict, dataclass
 
@@ -57,16 +58,23 @@ def run_case(adapter: Adapter, case: Case, device="cpu", seed: int = 0) -> Resul
     return Result(case.name, case.op, PASSED if c.ok else FAILED, c.out_err, c.lse_err, tol, note)
 
 
-def run_suite(adapter="ours", device=None, quick: bool = False, cases=None, seed: int = 0) -> list:
+def run_suite(adapter="ours", device=None, quick: bool = False, cases=None, seed: int = 0, on_result=None) -> list:
     """Runs ``cases`` (default: ``QUICK`` if ``quick`` else ``CASES``; or names / Case objects)
     against ``adapter`` (an :class:`Adapter`, a built-in name or ``"module:attr"``) on ``device``
-    (default cuda if available, else cpu) -> [Result]."""
+    (default cuda if available, else cpu) -> [Result]. ``on_result(result, seconds)``: called as
+    each case ends (a peer's first calls can compile for minutes)."""
     device = device or default_device()
     adapter = get_adapter(adapter, device)
     if cases is None:
         cases = QUICK if quick else CASES
     by_name = {c.name: c for c in CASES}
-    return [run_case(adapter, by_name[c] if isinstance(c, str) else c, device, seed) for c in cases]
+    results = []
+    for c in cases:
+        t0 = time.perf_counter()
+        results.append(run_case(adapter, by_name[c] if isinstance(c, str) else c, device, seed))
+        if on_result is not None:
+            on_result(results[-1], time.perf_counter() - t0)
+    return results
 
 
 def _num(x) -> str:
