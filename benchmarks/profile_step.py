@@ -17,12 +17,12 @@ hit), ``n`` samples, ``--steps`` new tokens each, ignore_eos, temperature 1.0:
 
 1. clean: decode tok/s, median step total/host/gpu/attend ms from ``last_stats.step_log``;
 2. torch.profiler (CPU + CUDA) on ``--active`` decode steps in the middle (schedule wait/warmup=2/
-   active, driven by ``prof.step()`` after each engine step through a wrapper of ``LLM._step``):
+   active, driven by ``prof.step()`` after each engine step through a wrapper of ``LLM._finish``):
    per-kernel table, GPU busy fraction (union of kernel intervals / wall span of the active steps;
    kernels under programmatic dependent launch start early and wait, so sums of durations overlap:
    both the sum and the union are given), the attention kernels' union per step, the idle gaps
    between steps, the host lead-in (step start -> first kernel) and tail (last kernel -> step end);
-3. cProfile of 8 steady steps (enabled inside the wrapped ``_step`` only), top 30 by cumulative.
+3. cProfile of 8 steady steps (enabled inside their wrapped ``_launch`` and ``_finish``), top 30 by cumulative.
 
 Files under $OUT (default /tmp/prof-out), at most 8: profile_report.txt (all that is printed),
 trace_<case>.json.gz (chrome traces of the active steps), cprofile_<case>.pstats, step_logs.json.
@@ -83,39 +83,50 @@ def say(*parts, progress: bool = False) -> None:
     REPORT.append(line)
 
 
-# ----------------------------------------------------------------------------- the _step hook
+# ----------------------------------------------------------------------------- the step hook
 class StepHook:
-    """Wraps ``LLM._step`` (class-level): counts the steps of the current generate, marks each with a
-    ``record_function`` span, calls ``prof.step()`` after it, and runs cProfile inside chosen steps."""
+    """Wraps ``LLM._launch`` and ``LLM._finish`` (class-level): counts the steps of the current
+    generate, marks each finish with a ``record_function`` span, calls ``prof.step()`` after it, and
+    runs cProfile inside the launches and finishes of chosen steps (steps overlap under async
+    scheduling: step t+1 is launched before step t is finished)."""
 
     def __init__(self):
-        self.orig = LLM._finish  # once per step, in order (steps overlap: launch t+1, finish t)
+        self.orig = LLM._launch, LLM._finish
         self.reset()
         hook = self
 
-        def _finish(llm, step, stats, *rest):
+        def _launch(llm, *args):
+            k = hook.launched
+            hook.launched += 1
+            return hook._profiled(k, hook.orig[0], llm, *args)
+
+        def _finish(llm, *args):
             k = hook.count
             hook.count += 1
-            prof = hook.cprofile if k in hook.cprofile_steps else None
             try:
                 with torch.profiler.record_function(f"{STEP_TAG}{k}"):
-                    if prof is not None:
-                        prof.enable()
-                    try:
-                        return hook.orig(llm, step, stats, *rest)
-                    finally:
-                        if prof is not None:
-                            prof.disable()
+                    return hook._profiled(k, hook.orig[1], llm, *args)
             finally:
                 if hook.prof is not None:
                     hook.prof.step()
-        LLM._finish = _finish
+        LLM._launch, LLM._finish = _launch, _finish
+
+    def _profiled(self, k, fn, *args):
+        prof = self.cprofile if k in self.cprofile_steps else None
+        if prof is None:
+            return fn(*args)
+        prof.enable()
+        try:
+            return fn(*args)
+        finally:
+            prof.disable()
 
     def reset(self, prof=None, cprofile=None, cprofile_steps=()):
-        self.count, self.prof, self.cprofile, self.cprofile_steps = 0, prof, cprofile, set(cprofile_steps)
+        self.count = self.launched = 0
+        self.prof, self.cprofile, self.cprofile_steps = prof, cprofile, set(cprofile_steps)
 
     def remove(self):
-        LLM._finish = self.orig
+        LLM._launch, LLM._finish = self.orig
 
 
 # ----------------------------------------------------------------------------- helpers
