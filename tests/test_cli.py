@@ -184,9 +184,13 @@ def test_ctrl_c_while_loading_is_one_line(monkeypatch, capsys):
 
 def test_ctrl_c_during_the_conversion(tmp_path):
     """A real SIGINT while the first start converts: one line, exit 130, nothing left in the cache."""
-    p = run_cli(tmp_path / "cache", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # SIGINT's default action as at a terminal: a runner started in the background of a shell hands
+    # its children SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+    p = run_cli(tmp_path / "cache", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert p.stderr.readline().startswith("loading ")
-    time.sleep(1.5)
+    assert p.stderr.readline().startswith("converting ")
+    time.sleep(1.0)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     # 130; or killed by SIGINT itself (a shell shows 130 too): CPython does that at exit when the
