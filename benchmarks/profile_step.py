@@ -238,6 +238,10 @@ def analyze_trace(path, log, kernel_cats, top=25):
         f" wall span; sum of kernel durations {ksum / ns:.1f} us/step ({ksum / wall * 100 if wall else 0:.1f}%;"
         f" sum/union {ksum / kunion if kunion else 0:.2f}: >1 = overlap, PDL); with memcpy/memset"
         f" {cunion / ns:.1f} us/step ({len(allc) / ns:.1f} copies/step, {sum(b - a for a, b, _ in allc) / ns:.1f} us/step)")
+    launches = [float(e["dur"]) for e in evs if e.get("name") == "cudaGraphLaunch"
+                and steps[order[0]][0] <= float(e["ts"]) <= steps[order[-1]][1]]
+    if launches:  # the host held by a graph's launch (grows with its nodes: graph_launch_check.py)
+        say(f"  cudaGraphLaunch: {len(launches)} calls, median {statistics.median(launches):.1f} us of host each")
     say(f"  attention kernels ({', '.join(ATTN_PATTERNS)}): union {union_len([(a, b) for a, b, _ in attn]) / ns:.1f}"
         f" us/step, sum {sum(b - a for a, b, _ in attn) / ns:.1f} us/step, {len(attn) / ns:.1f} calls/step")
     # per-kernel table

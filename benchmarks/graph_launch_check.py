@@ -1,0 +1,109 @@
+"""Host time of one CUDA graph replay (``cudaGraphLaunch``), by the graph's size and kind of nodes.
+
+Why: an engine decode step is one graph replay, and on the H200 (2026-11-28, profile_step traces
+in ``results/sweeps/engine_step_trace_compiled_*``) the replay call alone held the host 474 us for
+the SmolLM2-shaped cascade step (~570 kernels) and 771 us for the 8B-shaped one (~370 kernels),
+while the GPU idled for it: ~0.8-2 us of host per node. This finds what the launch cost grows with:
+the node count, Triton vs ATen kernels, and kernels launched with programmatic dependent launch
+(PDL, ``launch_pdl=True``: our decode, fold and cascade kernels on Hopper), alone or between
+others.
+
+    python3 benchmarks/graph_launch_check.py            # on a GPU; ~20 s
+    python3 benchmarks/graph_launch_check.py --nodes 64,512 --reps 50
+
+Each case: N nodes captured in one graph on a side stream, 3 warm-up replays, then ``--reps``
+replays each followed by a synchronize; the host time is ``perf_counter`` around ``replay()`` only
+(the GPU is idle when it starts). Prints a table: case, nodes, median host us a replay, us a node.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def _bump_kernel(x_ptr, PDL: tl.constexpr):
+    # (PDL: wait for the previous grid's writes, then let the next kernel launch)
+    if PDL:
+        gdc_wait()
+    v = tl.load(x_ptr)
+    tl.store(x_ptr, v + 1.0)
+    if PDL:
+        gdc_launch_dependents()
+
+
+def _aten(x):
+    x.add_(1.0)
+
+
+def _triton(x):
+    _bump_kernel[(1,)](x, PDL=False)
+
+
+def _triton_pdl(x):
+    _bump_kernel[(1,)](x, PDL=True, launch_pdl=True)
+
+
+CASES = {
+    "aten": [_aten],
+    "triton": [_triton],
+    "triton_pdl": [_triton_pdl],
+    "aten+triton_pdl": [_aten, _triton_pdl],  # PDL kernels between ATen ones, as in the engine's step
+}
+
+
+def replay_us(fns, nodes: int, reps: int) -> float:
+    """Median host microseconds of one replay of a graph of ``nodes`` launches cycling ``fns``."""
+    x = torch.zeros(1, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(nodes):  # warm-up: kernels compiled before the capture
+            fns[i % len(fns)](x)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(nodes):
+            fns[i % len(fns)](x)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        g.replay()
+        times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", default="16,128,512,1024", help="comma-separated node counts")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("graph_launch_check: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    nodes = [int(n) for n in args.nodes.split(",")]
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} CUDA {torch.version.cuda} | "
+          f"Triton {triton.__version__}")
+    print(f"{'case':<18}{'nodes':>7}{'host us':>10}{'us/node':>9}")
+    for name in args.cases.split(","):
+        for n in nodes:
+            us = replay_us(CASES[name], n, args.reps)
+            print(f"{name:<18}{n:>7}{us:>10.1f}{us / n:>9.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
