@@ -22,12 +22,21 @@ floor (weights + the KV the step must read - for cascade the prompt once plus th
 copy bandwidth measured in the same run), the share of a decode step spent in attention and the
 host's share, and peak GPU memory. Results: ``benchmarks/results/<gpu>.json`` (bench "e2e") and
 ``.md``.
+
+Each engine runs in a Python process of its own (``--same-process``: all in this one), on weights
+made from the same seed: what one engine leaves behind - compiled code, Dynamo's caches and their
+recompile limits, the allocator's pools - cannot move another's numbers (on an H200 the same engine
+measured up to ~20% apart at different places in one process, 2026-11-28), and each is timed as a
+user's first engine of a process runs.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -186,21 +195,31 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="results JSON (default benchmarks/results/<gpu>.json)")
     p.add_argument("--md", help="markdown (default benchmarks/results/<gpu>.md)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--same-process", action="store_true", help="run every engine in this process")
+    p.add_argument("--one", metavar="MODEL:ENGINE", help=argparse.SUPPRESS)  # (a child's run: prints its record)
     args = p.parse_args(argv)
+    if args.one:
+        return _run_one(args)
     device = args.device
     models = QUICK_MODELS if args.quick else MODELS
     if args.models:
+        bad = [m for m in args.models.split(",") if m not in models]
+        if bad:
+            p.error(f"unknown models {bad}; choose from {list(models)}")
         models = {k: models[k] for k in args.models.split(",")}
     engines = args.engines.split(",") if args.engines else list(ENGINES)
+    bad = [e for e in engines if e not in ENGINES]
+    if bad:
+        p.error(f"unknown engines {bad}; choose from {list(ENGINES)}")
     if args.quick:
         args.prompt_len, args.n, args.new, args.batch_new = 300, 8, 16, 8
     bw = C.copy_bandwidth(device)
     print(f"{C.gpu_name()} copy bandwidth {bw:.0f} GB/s", flush=True)
     results, rows = {}, []
     for mname, shape in models.items():
-        model = build(shape, device, torch.bfloat16, args.prompt_len + args.new + 64)
-        prompt = torch.randint(10, shape["vocab_size"], (args.prompt_len,), generator=torch.Generator().manual_seed(1))
-        prompt = prompt.tolist()
+        # (isolated engines build their own: this process only needs the shapes' byte counts)
+        model = build(shape, "meta" if not args.same_process else device, torch.bfloat16, args.prompt_len + args.new + 64)
+        prompt = make_prompt(shape, args.prompt_len)
         w, kvb = weight_bytes(model), kv_bytes_per_token(model)
         mid = args.prompt_len + args.new // 2  # a sequence's length halfway through decode
         floor = {"flat": (w + args.n * mid * kvb) / (bw * 1e9), "unique": (w + (args.prompt_len + args.n * args.new // 2)
@@ -209,16 +228,7 @@ def main(argv=None) -> int:
                           "kv_bytes_per_token": kvb, "floor_ms": {k: v * 1e3 for k, v in floor.items()}}
         for eng in engines:
             print(f"--- {mname} {eng}", flush=True)
-            try:
-                if eng in OURS:
-                    rec = run_ours(model, prompt, args.n, args.new, OURS[eng], device)
-                elif eng == "hf_generate":
-                    rec = run_hf_generate(model, prompt, args.n, args.new, device)
-                else:
-                    rec = run_hf_generate_batch(model, prompt, args.n, args.batch_new, device)
-            except Exception as e:  # noqa: BLE001 - a peer failing is a result, not the end of the run
-                rec = {"error": C.short_error(e)}
-                C.free_memory()
+            rec = run_engine(model, prompt, eng, args) if args.same_process else run_isolated(mname, eng, argv)
             fl = floor["unique" if eng == "ours_cascade" or rec.get("cascade_steps") else "flat"]
             if "step_ms" in rec:
                 rec["floor_ms"] = fl * 1e3
@@ -243,6 +253,50 @@ def main(argv=None) -> int:
                            f"copy bandwidth {bw:.0f} GB/s. hf_generate_batch timed on {args.batch_new} new "
                            f"tokens.\n\n{table}\n")
     return 0
+
+
+def run_engine(model, prompt, eng: str, args) -> dict:
+    """One engine's record on ``model`` in this process ({"error": ...} where it failed)."""
+    try:
+        if eng in OURS:
+            return run_ours(model, prompt, args.n, args.new, OURS[eng], args.device)
+        if eng == "hf_generate":
+            return run_hf_generate(model, prompt, args.n, args.new, args.device)
+        return run_hf_generate_batch(model, prompt, args.n, args.batch_new, args.device)
+    except Exception as e:  # noqa: BLE001 - a peer failing is a result, not the end of the run
+        C.free_memory()
+        return {"error": C.short_error(e)}
+
+
+RECORD = "e2e-record: "  # the line a child process prints its record on
+
+
+def run_isolated(mname: str, eng: str, argv) -> dict:
+    """One engine's record from a Python process of its own (the same arguments, ``--one``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--one", f"{mname}:{eng}"], capture_output=True, text=True)
+    for line in r.stdout.splitlines():
+        if line.startswith(RECORD):
+            return json.loads(line[len(RECORD):])
+    tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"child process exited {r.returncode}: {tail[:300]}"}
+
+
+def _run_one(args) -> int:
+    """A child's run (``--one MODEL:ENGINE``): builds the model, runs the engine, prints its record."""
+    mname, eng = args.one.split(":")
+    models = QUICK_MODELS if args.quick else MODELS
+    if args.quick:
+        args.prompt_len, args.n, args.new, args.batch_new = 300, 8, 16, 8
+    model = build(models[mname], args.device, torch.bfloat16, args.prompt_len + args.new + 64)
+    rec = run_engine(model, make_prompt(models[mname], args.prompt_len), eng, args)
+    print(RECORD + json.dumps(rec), flush=True)
+    return 0
+
+
+def make_prompt(shape: dict, length: int) -> list:
+    """The run's prompt: token ids from a fixed seed (the same in every process)."""
+    return torch.randint(10, shape["vocab_size"], (length,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
 def _row(model: str, eng: str, rec: dict) -> list:
