@@ -13,7 +13,9 @@ shapes. Compiling happens in the first runs of each shape (the graphs' warm-ups)
 capture.
 
 The user's model is not changed: the compiled calls are put on its layers only while the engine
-runs it (a ``model.generate`` of the same model object afterwards runs its plain layers).
+runs it (a ``model.generate`` of the same model object afterwards runs its plain layers). A model
+that torch.compile cannot compile still runs: the first failure is logged and the layers run
+uncompiled from then on.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import contextlib
 import logging
 
 import torch
+from torch._dynamo.exc import TorchDynamoException
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +42,13 @@ class CompiledForward:
 
     Each layer's compiled call is what ``nn.Module.compile`` would set (``_compiled_call_impl``,
     which ``nn.Module.__call__`` runs in place of the plain call), set here only for the duration of
-    a call and restored after it."""
+    a call and restored after it. ``failed``: the error that made the layers run uncompiled (a call
+    whose compiling failed runs again uncompiled: its K/V writes are the same), or None."""
 
     def __init__(self, model: torch.nn.Module, layers: torch.nn.ModuleList, backend="inductor"):
         self.model, self.layers = model, layers
         self.calls = [torch.compile(layer._call_impl, backend=backend, dynamic=None) for layer in layers]
+        self.failed: Exception | None = None
 
     @classmethod
     def of(cls, model: torch.nn.Module, backend="inductor"):
@@ -56,8 +61,16 @@ class CompiledForward:
         return cls(model, layers, backend)
 
     def __call__(self, **kwargs):
-        with self.active():
-            return self.model(**kwargs)
+        if self.failed is None:
+            try:
+                with self.active():
+                    return self.model(**kwargs)
+            except TorchDynamoException as e:  # (our attention's own errors are not Dynamo's: they pass)
+                self.failed = e
+                cause = getattr(e, "inner_exception", None) or e  # (a backend's own error, as it raised it)
+                log.warning("torch.compile failed on %s's decoder layers, which run uncompiled from now on: %s: %s",
+                            type(self.model).__name__, type(cause).__name__, str(cause).strip().split("\n")[0])
+        return self.model(**kwargs)
 
     @contextlib.contextmanager
     def active(self):

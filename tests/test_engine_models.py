@@ -155,6 +155,29 @@ def test_compiled_layers_give_the_same_tokens(family):
         LLM(model, compile_model=3, **kw)
 
 
+def test_a_model_that_does_not_compile_runs_uncompiled(caplog):
+    """A torch.compile backend that fails: one warning naming the error, the uncompiled engine's
+    tokens (the failed call runs again uncompiled), and no further attempt."""
+    calls = []
+
+    def failing(gm, example_inputs):
+        calls.append(1)
+        raise RuntimeError("this backend cannot compile")
+    model = tiny("llama", seed=2)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + 50))}]
+    params = SamplingParams(n=2, temperature=0, max_tokens=6)
+    kw = dict(device="cpu", num_blocks=64, max_num_seqs=4)
+    want = [[c.token_ids for c in o.outputs] for o in LLM(model, **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model, compile_model=failing, **kw)
+    with caplog.at_level("WARNING", logger="paged_backend.integration.compiled"):
+        got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want and len(calls) == 1 and llm.forward.failed is not None
+    assert [r.getMessage() for r in caplog.records if "run uncompiled" in r.getMessage()] == [
+        "torch.compile failed on LlamaForCausalLM's decoder layers, which run uncompiled from now on: "
+        "RuntimeError: this backend cannot compile"]
+    assert all(layer._compiled_call_impl is None for layer in model.get_decoder().layers)
+
+
 @pytest.mark.kernel
 @pytest.mark.skipif(not INTERPRET, reason="replays through earlier plans need the kernels, which read the plans' "
                                           "buffers (the torch path reads host copies): the TRITON_INTERPRET=1 pass")
