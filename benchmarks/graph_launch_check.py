@@ -8,12 +8,15 @@ the node count, Triton vs ATen kernels, and kernels launched with programmatic d
 (PDL, ``launch_pdl=True``: our decode, fold and cascade kernels on Hopper), alone or between
 others.
 
-    python3 benchmarks/graph_launch_check.py            # on a GPU; ~20 s
+    python3 benchmarks/graph_launch_check.py            # on a GPU; ~30 s
     python3 benchmarks/graph_launch_check.py --nodes 64,512 --reps 50
 
 Each case: N nodes captured in one graph on a side stream, 3 warm-up replays, then ``--reps``
-replays each followed by a synchronize; the host time is ``perf_counter`` around ``replay()`` only
-(the GPU is idle when it starts). Prints a table: case, nodes, median host us a replay, us a node.
+replays timed by ``perf_counter`` around ``replay()`` only, three ways: each on an idle GPU (a
+synchronize between them: "idle"); each launched while the last one is still in flight behind a
+~1 ms sleep kernel, as the engine's steps are ("queued"); and the same alternating two graphs
+captured alike ("two graphs": whether relaunching an executable graph that is still in flight is
+what costs). Prints a table: case, nodes, median host us a replay each way, us a node when idle.
 """
 from __future__ import annotations
 
@@ -59,13 +62,12 @@ CASES = {
 }
 
 
-def replay_us(fns, nodes: int, reps: int) -> float:
-    """Median host microseconds of one replay of a graph of ``nodes`` launches cycling ``fns``."""
-    x = torch.zeros(1, device="cuda")
+def make_graph(fns, nodes: int, x: torch.Tensor) -> torch.cuda.CUDAGraph:
+    """A graph of ``nodes`` launches cycling ``fns`` on ``x``, its kernels compiled before the capture."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for i in range(nodes):  # warm-up: kernels compiled before the capture
+        for i in range(nodes):
             fns[i % len(fns)](x)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
@@ -76,13 +78,32 @@ def replay_us(fns, nodes: int, reps: int) -> float:
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        g.replay()
-        times.append(time.perf_counter() - t0)
+    return g
+
+
+def replay_us(fns, nodes: int, reps: int) -> tuple[float, float, float]:
+    """Median host microseconds of one replay of a graph of ``nodes`` launches cycling ``fns``: on an
+    idle GPU, queued behind the previous replay of the same graph, and alternating two graphs."""
+    x = torch.zeros(1, device="cuda")
+    graphs = [make_graph(fns, nodes, x), make_graph(fns, nodes, x)]
+
+    def timed(order, sync: bool) -> float:
+        times = []
+        for g in order:
+            if not sync:  # keep the GPU busy (~1 ms) so that the last replay is still in flight
+                torch.cuda._sleep(2_000_000)
+            t0 = time.perf_counter()
+            g.replay()
+            times.append(time.perf_counter() - t0)
+            if sync:
+                torch.cuda.synchronize()
         torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
+        return statistics.median(times[1:]) * 1e6  # (the first queued one starts on an idle GPU)
+
+    idle = timed([graphs[0]] * reps, True)
+    queued = timed([graphs[0]] * reps, False)
+    two = timed([graphs[i % 2] for i in range(reps)], False)
+    return idle, queued, two
 
 
 def main(argv=None) -> int:
@@ -97,11 +118,11 @@ def main(argv=None) -> int:
     nodes = [int(n) for n in args.nodes.split(",")]
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} CUDA {torch.version.cuda} | "
           f"Triton {triton.__version__}")
-    print(f"{'case':<18}{'nodes':>7}{'host us':>10}{'us/node':>9}")
+    print(f"{'case':<18}{'nodes':>7}{'idle us':>10}{'us/node':>9}{'queued us':>11}{'two graphs us':>15}")
     for name in args.cases.split(","):
         for n in nodes:
-            us = replay_us(CASES[name], n, args.reps)
-            print(f"{name:<18}{n:>7}{us:>10.1f}{us / n:>9.2f}", flush=True)
+            idle, queued, two = replay_us(CASES[name], n, args.reps)
+            print(f"{name:<18}{n:>7}{idle:>10.1f}{idle / n:>9.2f}{queued:>11.1f}{two:>15.1f}", flush=True)
     return 0
 
 
