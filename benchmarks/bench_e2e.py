@@ -198,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--same-process", action="store_true", help="run every engine in this process")
     p.add_argument("--one", metavar="MODEL:ENGINE", help=argparse.SUPPRESS)  # (a child's run: prints its record)
     args = p.parse_args(argv)
+    if args.quick:
+        args.prompt_len, args.n, args.new, args.batch_new = 300, 8, 16, 8
     if args.one:
         return _run_one(args)
     device = args.device
@@ -211,8 +213,6 @@ def main(argv=None) -> int:
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         p.error(f"unknown engines {bad}; choose from {list(ENGINES)}")
-    if args.quick:
-        args.prompt_len, args.n, args.new, args.batch_new = 300, 8, 16, 8
     bw = C.copy_bandwidth(device)
     print(f"{C.gpu_name()} copy bandwidth {bw:.0f} GB/s", flush=True)
     results, rows = {}, []
@@ -286,8 +286,6 @@ def _run_one(args) -> int:
     """A child's run (``--one MODEL:ENGINE``): builds the model, runs the engine, prints its record."""
     mname, eng = args.one.split(":")
     models = QUICK_MODELS if args.quick else MODELS
-    if args.quick:
-        args.prompt_len, args.n, args.new, args.batch_new = 300, 8, 16, 8
     model = build(models[mname], args.device, torch.bfloat16, args.prompt_len + args.new + 64)
     rec = run_engine(model, make_prompt(models[mname], args.prompt_len), eng, args)
     print(RECORD + json.dumps(rec), flush=True)
