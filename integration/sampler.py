@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paged_backend.gumbel import M32, gumbel_argmax, mix32, vocab_hash
+from paged_backend.gumbel import M32, gumbel_argmax, gumbel_sample, mix32, vocab_hash
 
 from .step import to_device
 
@@ -79,15 +79,18 @@ class Sampler:
         if v != self.vocab_size:
             raise ValueError(f"logits must have {self.vocab_size} columns (the vocabulary), got {v}")
         dev = logits.device
-        logits = logits.float()
         if s == 0:  # a step of prefill chunks only: nothing to draw
             return Sampled(torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, device=dev))
-        raw_lse = torch.logsumexp(logits, dim=-1)  # [S]
         f = self._filters(rows, v, dev)
+        # (an asynchronous copy: a pageable one waits for the forward)
+        key = None if f.all_greedy else to_device([rows.key.astype(np.int64)], dev)[0]
+        if not (f.any_greedy or f.any_min_p or f.any_k or f.any_p or rows.num_logprobs):
+            # temperature only (the common case): the draw and its log-probability in one pass
+            return Sampled(*gumbel_sample(logits, f.temp, key, self._vocab_hash))
+        logits = logits.float()
+        raw_lse = torch.logsumexp(logits, dim=-1)  # [S]
         tokens = torch.argmax(logits, dim=-1) if f.any_greedy else None
         if not f.all_greedy:
-            # (an asynchronous copy: a pageable one waits for the forward)
-            key = to_device([rows.key.astype(np.int64)], dev)[0]
             x = logits / f.temp[:, None]
             if f.any_min_p:
                 x = _min_p(x, f.min_p)

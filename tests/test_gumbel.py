@@ -1,10 +1,10 @@
-"""gumbel_argmax (kernels/gumbel.py) against its torch version: the same tokens (bitwise on the GPU);
-the noise finite for every hash (keys crafted to hit the last bucket); bad inputs refused with the
-argument named."""
+"""gumbel_argmax and gumbel_sample (kernels/gumbel.py) against their torch versions: the same tokens
+(bitwise on the GPU) and log-probabilities; the noise finite for every hash (keys crafted to hit the
+last bucket); bad inputs refused with the argument named. (The draws' distribution: test_sampler.)"""
 import pytest
 import torch
 
-from paged_backend.gumbel import M32, gumbel_argmax, gumbel_argmax_torch, mix32, vocab_hash
+from paged_backend.gumbel import M32, gumbel_argmax, gumbel_argmax_torch, gumbel_sample, gumbel_sample_torch, mix32, vocab_hash
 
 pytestmark = pytest.mark.kernel
 
@@ -77,6 +77,33 @@ def test_draws_match_the_torch_version(s, v):
     assert torch.all((got == want) | ((best - picked).abs() <= 1e-5 * best.abs().clamp(min=1.0)))
 
 
+def _check_sample(logits, temp, keys, vh, rtol):
+    """gumbel_sample's tokens are the two-step draw's (up to ties within ``rtol`` of the values), its
+    log-probabilities log_softmax's."""
+    got, lp = gumbel_sample(logits, temp, keys, vh)
+    x = logits.float()
+    scaled = x / temp[:, None]
+    want = gumbel_argmax_torch(scaled, keys, vh)
+    val = _values(scaled, keys, vh)
+    best, picked = val.gather(1, want[:, None])[:, 0], val.gather(1, got[:, None])[:, 0]
+    assert got.dtype == torch.int64 and got.shape == want.shape
+    assert torch.all((got == want) | ((best - picked).abs() <= rtol * best.abs().clamp(min=1.0)))
+    ref = torch.log_softmax(x.double(), -1).gather(1, got[:, None])[:, 0]
+    assert torch.allclose(lp.double(), ref, atol=1e-5, rtol=1e-5), (lp, ref)
+    return got, lp
+
+
+@pytest.mark.parametrize("s,v,dtype", [(1, 1, torch.float32), (3, 100, torch.float32), (5, 4099, torch.float32),
+                                       (4, 9000, torch.bfloat16)])
+def test_sample_is_the_draw_over_logits_by_temperature(s, v, dtype):
+    """The one-pass draw (raw logits of any float dtype, a temperature per row) against logits.float()
+    / T drawn by the torch version; bf16 runs the torch path under the interpreter (it has no bf16)."""
+    x, keys, vh = _inputs(s, v, seed=s + v)
+    x[x == float("-inf")] = -30.0  # raw logits: no filter
+    temp = torch.linspace(0.3, 1.7, s)
+    _check_sample(x.to(dtype), temp, keys, vh, rtol=1e-5)
+
+
 def test_ties_go_to_the_lowest_token_and_filtered_rows_keep_their_token():
     v = 5000
     x = torch.full((2, v), float("-inf"))
@@ -97,6 +124,13 @@ def test_bad_inputs_are_named():
         gumbel_argmax(x, keys, vh.int())
     with pytest.raises(ValueError, match="at least one column"):
         gumbel_argmax(x[:, :0], keys, vh[:0])
+    temp = torch.ones(2)
+    with pytest.raises(TypeError, match="logits must have dtype"):
+        gumbel_sample(x.long(), temp, keys, vh)
+    with pytest.raises(ValueError, match="temperature must have 2 entries"):
+        gumbel_sample(x, temp[:1], keys, vh)
+    with pytest.raises(TypeError, match="temperature must have dtype"):
+        gumbel_sample(x, temp.double(), keys, vh)
 
 
 @pytest.mark.gpu
@@ -114,3 +148,20 @@ def test_gpu_draws_are_the_torch_versions_bits():
     for t in (1.0, 0.7):
         xs = x / t
         assert torch.equal(gumbel_argmax(xs, keys, vh), gumbel_argmax_torch(xs, keys, vh))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_sample_is_the_torch_versions_bits(dtype):
+    """64 rows of raw logits over a 128K vocabulary, a temperature per row: the one-pass kernel draws
+    the torch version's tokens bit for bit (IEEE division, libdevice's log) and log_softmax's
+    log-probabilities; the same for a strided view of the rows."""
+    x, keys, vh = _inputs(64, 128256, seed=5, device="cuda")
+    x = torch.where(torch.isinf(x), torch.full_like(x, -20.0), x).to(dtype)
+    temp = torch.linspace(0.25, 2.0, 64, device="cuda")
+    got, lp = _check_sample(x, temp, keys, vh, rtol=0.0)
+    assert torch.equal(got, gumbel_sample_torch(x, temp, keys, vh)[0])
+    wide = torch.zeros(64, 128256 + 64, dtype=dtype, device="cuda")
+    wide[:, :128256] = x
+    assert torch.equal(gumbel_sample(wide[:, :128256], temp, keys, vh)[0], got)
