@@ -12,10 +12,14 @@ layer of a model (their parameters are inputs); a new batch size is compiled onc
 shapes. Compiling happens in the first runs of each shape (the graphs' warm-ups), never inside a
 capture.
 
-The user's model is not changed: the compiled calls are put on its layers only while the engine
-runs it (a ``model.generate`` of the same model object afterwards runs its plain layers). A model
-that torch.compile cannot compile still runs: the first failure is logged and the layers run
-uncompiled from then on.
+Each layer's q/k/v and gate/up projections run as one GEMM each (:mod:`.fused_linears`: their
+weights moved end to end in one buffer, the compiled graphs' linear calls joined).
+
+The user's model keeps its modules, parameters and values (only where the projections' weights
+live changes): the compiled calls are put on its layers only while the engine runs it (a
+``model.generate`` of the same model object afterwards runs its plain layers). A model that
+torch.compile cannot compile still runs: the first failure is logged and the layers run uncompiled
+from then on.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import logging
 
 import torch
 from torch._dynamo.exc import TorchDynamoException
+
+from .fused_linears import fusing, rehome
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +49,13 @@ class CompiledForward:
     Each layer's compiled call is what ``nn.Module.compile`` would set (``_compiled_call_impl``,
     which ``nn.Module.__call__`` runs in place of the plain call), set here only for the duration of
     a call and restored after it. ``failed``: the error that made the layers run uncompiled (a call
-    whose compiling failed runs again uncompiled: its K/V writes are the same), or None."""
+    whose compiling failed runs again uncompiled: its K/V writes are the same), or None. ``rehomed``:
+    the projection groups whose weights now lie end to end (fused in the compiled graphs)."""
 
     def __init__(self, model: torch.nn.Module, layers: torch.nn.ModuleList, backend="inductor"):
         self.model, self.layers = model, layers
+        self.rehomed = rehome(layers)
+        backend = fusing(backend)  # (one callable for every layer: Dynamo recompiles for another backend)
         self.calls = [torch.compile(layer._call_impl, backend=backend, dynamic=None) for layer in layers]
         self.failed: Exception | None = None
 

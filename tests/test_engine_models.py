@@ -134,7 +134,8 @@ def test_gpu_decode_graphs_match_eager():
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
 def test_compiled_layers_give_the_same_tokens(family):
     """Decoder layers compiled with torch.compile (AOT autograd's graphs, run eagerly: the CPU test
-    of the tracing; Inductor runs on the GPU), attention a graph break: the uncompiled engine's
+    of the tracing; Inductor runs on the GPU), attention a graph break, q/k/v and gate/up one GEMM
+    each (test_fused_linears): the uncompiled engine's
     tokens, n samples of two prompts (prefill, cascade and flat decode). The layers run compiled
     inside the engine's calls only: the user's model object is left as it was."""
     from paged_backend.integration.compiled import CompiledForward
@@ -147,12 +148,26 @@ def test_compiled_layers_give_the_same_tokens(family):
     seen = []  # per model call: were the layers' compiled calls in place?
     model.register_forward_pre_hook(lambda m, args: seen.append(all(x._compiled_call_impl is not None for x in layers)))
     llm = LLM(model, compile_model="aot_eager", **kw)
-    assert isinstance(llm.forward, CompiledForward)
+    assert isinstance(llm.forward, CompiledForward) and llm.forward.rehomed == 2 * len(layers)  # q/k/v, gate/up
     assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)] == want
     assert seen and all(seen) and all(x._compiled_call_impl is None for x in layers)
     assert CompiledForward.of(torch.nn.Linear(2, 2)).__class__ is torch.nn.Linear  # no decoder layers: not compiled
     with pytest.raises(TypeError, match="compile_model"):
         LLM(model, compile_model=3, **kw)
+
+
+def test_every_layer_shares_one_compiled_code(caplog):
+    """Ten layers (more than Dynamo's recompile limit of 8), three batch sizes: Dynamo never reaches
+    its limit, so no layer runs uncompiled - one backend callable serves every layer (a callable per
+    layer made Dynamo recompile for each, and the layers past the 8th ran uncompiled on the H200)."""
+    torch._dynamo.reset()
+    model = tiny("llama", seed=2, num_hidden_layers=10)
+    llm = LLM(model, device="cpu", num_blocks=96, max_num_seqs=8, compile_model="aot_eager")
+    with caplog.at_level("WARNING", logger="torch._dynamo"):
+        for n in (1, 3, 8):
+            llm.generate([{"prompt_token_ids": list(range(3, 30 + n))}],
+                         SamplingParams(n=n, max_tokens=3, ignore_eos=True, temperature=1.0, seed=0), use_tqdm=False)
+    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
 
 
 def test_a_model_that_does_not_compile_runs_uncompiled(caplog):
