@@ -6,7 +6,9 @@ the SmolLM2-shaped cascade step (~570 kernels) and 771 us for the 8B-shaped one 
 while the GPU idled for it: ~0.8-2 us of host per node. This finds what the launch cost grows with:
 the node count, Triton vs ATen kernels, and kernels launched with programmatic dependent launch
 (PDL, ``launch_pdl=True``: our decode, fold and cascade kernels on Hopper), alone or between
-others.
+others, and cuBLAS's GEMMs (the model's linear layers). Answer (H200, 2026-11-28,
+``results/sweeps/graph_replay_h200.txt``): 4-40 us for up to 1,024 nodes of any kind, and the
+engine's own graphs replay in 6-38 us outside the profiler: the traces' launch time was CUPTI's.
 
     python3 benchmarks/graph_launch_check.py            # on a GPU; ~30 s
     python3 benchmarks/graph_launch_check.py --nodes 64,512 --reps 50
@@ -54,11 +56,26 @@ def _triton_pdl(x):
     _bump_kernel[(1,)](x, PDL=True, launch_pdl=True)
 
 
+_MM = {}
+
+
+def _cublas(x):
+    # a decode-shaped bf16 GEMM (64 rows x 576 -> 1536, SmolLM2's MLP): cuBLAS picks its Hopper kernels
+    if x.device not in _MM:
+        a = torch.randn(64, 576, device=x.device, dtype=torch.bfloat16)
+        _MM[x.device] = (a, torch.randn(1536, 576, device=x.device, dtype=torch.bfloat16).t(),
+                         torch.empty(64, 1536, device=x.device, dtype=torch.bfloat16))
+    a, b, out = _MM[x.device]
+    torch.mm(a, b, out=out)
+
+
 CASES = {
     "aten": [_aten],
     "triton": [_triton],
     "triton_pdl": [_triton_pdl],
     "aten+triton_pdl": [_aten, _triton_pdl],  # PDL kernels between ATen ones, as in the engine's step
+    "cublas": [_cublas],
+    "cublas+triton_pdl": [_cublas, _triton_pdl],
 }
 
 
