@@ -47,7 +47,8 @@ def rehome(layers: torch.nn.ModuleList) -> int:
                     or ws[0].device.type == "meta":
                 continue
             for params in (ws, bs) if bs[0] is not None else (ws,):
-                buf = torch.cat([p.detach() for p in params])
+                with torch.inference_mode(False):  # (a normal tensor: the model may train after)
+                    buf = torch.cat([p.detach() for p in params])
                 at = 0
                 for p in params:
                     p.data = buf[at: at + p.shape[0]]

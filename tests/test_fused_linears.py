@@ -50,6 +50,25 @@ def test_rehome_keeps_parameters_and_values_and_lays_weights_end_to_end(family):
         assert a.o_proj.weight.untyped_storage().data_ptr() != a.q_proj.weight.untyped_storage().data_ptr()
 
 
+def test_a_rehomed_model_still_trains_and_keeps_the_layout():
+    """RL loops train the model they sample from: after rehome (even called under inference mode)
+    gradients reach each projection's weight, and an optimizer's in-place step keeps the weights end
+    to end, with the values the step gave them."""
+    model = tiny("llama", seed=6)
+    with torch.inference_mode():
+        rehome(model.get_decoder().layers)
+    a = model.get_decoder().layers[0].self_attn
+    model(torch.tensor([[3, 4, 5, 6]]), labels=torch.tensor([[3, 4, 5, 6]])).loss.backward()
+    assert a.k_proj.weight.grad is not None and a.k_proj.weight.grad.shape == a.k_proj.weight.shape
+    before = a.k_proj.weight.detach().clone()
+    want = before - 0.1 * a.k_proj.weight.grad
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert not torch.equal(a.k_proj.weight.detach(), before)
+    assert torch.allclose(a.k_proj.weight.detach(), want, rtol=0, atol=1e-7)  # (SGD's own rounding)
+    assert a.k_proj.weight.storage_offset() == a.q_proj.weight.numel()
+    assert a.k_proj.weight.untyped_storage().data_ptr() == a.q_proj.weight.untyped_storage().data_ptr()
+
+
 class _Biased(torch.nn.Module):
     """q/k/v with biases (as Qwen2's) and a projection of another width that must stay apart."""
 
