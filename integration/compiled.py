@@ -49,12 +49,13 @@ class CompiledForward:
     Each layer's compiled call is what ``nn.Module.compile`` would set (``_compiled_call_impl``,
     which ``nn.Module.__call__`` runs in place of the plain call), set here only for the duration of
     a call and restored after it. ``failed``: the error that made the layers run uncompiled (a call
-    whose compiling failed runs again uncompiled: its K/V writes are the same), or None. ``rehomed``:
-    the projection groups whose weights now lie end to end (fused in the compiled graphs)."""
+    whose compiling failed runs again uncompiled: its K/V writes are the same), or None.
+    ``projections``: the projection groups whose weights now lie end to end (joined in the compiled
+    graphs), put back end to end before a call where a parameter was re-pointed since."""
 
     def __init__(self, model: torch.nn.Module, layers: torch.nn.ModuleList, backend="inductor"):
         self.model, self.layers = model, layers
-        self.rehomed = rehome(layers)
+        self.projections = rehome(layers)
         backend = fusing(backend)  # (one callable for every layer: Dynamo recompiles for another backend)
         self.calls = [torch.compile(layer._call_impl, backend=backend, dynamic=None) for layer in layers]
         self.failed: Exception | None = None
@@ -71,6 +72,7 @@ class CompiledForward:
 
     def __call__(self, **kwargs):
         if self.failed is None:
+            self.projections.keep()
             try:
                 with self.active():
                     return self.model(**kwargs)

@@ -15,14 +15,18 @@ with fused ``qkv_proj`` and ``gate_up_proj`` weights; we run transformers' model
    real tensors it is compiled with; weights elsewhere are left as they are.
 
 The compiled code serves every layer (their parameters are its inputs), so every layer must keep
-the layout: :func:`rehome` does all of them, and weights updated in place (``copy_``) keep it, as
-the CUDA graphs need anyway (they read the weights at the addresses they were captured with).
+the layout: :func:`rehome` does all of them; weights updated in place (``copy_``, an optimizer's
+step, ``load_state_dict``) keep it, and a parameter re-pointed at another tensor (``p.data = t``)
+is moved back before the engine's next model call (:meth:`Projections.keep`: Dynamo's guards do
+not see it, and the joined linear would read past the new tensor). The CUDA graphs read the
+weights at the addresses they were captured with: update weights in place.
 """
 from __future__ import annotations
 
 import copy
 import logging
 import operator
+from dataclasses import dataclass
 
 import torch
 
@@ -32,29 +36,65 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # transform
 LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
 
 
-def rehome(layers: torch.nn.ModuleList) -> int:
+@dataclass
+class Projections:
+    """The projection groups :func:`rehome` moved (``groups``: tuples of ``nn.Linear``) and the
+    addresses their parameters had then (``ptrs``)."""
+    groups: list
+    ptrs: list
+
+    @staticmethod
+    def params(group) -> list:
+        """The group's parameter runs that lie end to end: its weights, and its biases if any."""
+        runs = [[m.weight for m in group]]
+        return runs + [[m.bias for m in group]] if group[0].bias is not None else runs
+
+    def addresses(self) -> list:
+        return [p.data_ptr() for g in self.groups for run in self.params(g) for p in run]
+
+    def keep(self) -> int:
+        """Puts back end to end each group whose parameters were re-pointed since (``p.data = t``;
+        the joined linears of the compiled graphs read a group's weights as one buffer, from the
+        first one's start: apart, they would read past its end). In-place updates keep the layout.
+        -> the groups moved again."""
+        if self.addresses() == self.ptrs:  # (the usual case: ~0.3 us a parameter)
+            return 0
+        moved = [g for g in self.groups if not all(_end_to_end(run) for run in self.params(g))]
+        for g in moved:
+            _join(g)
+        self.ptrs = self.addresses()
+        return len(moved)
+
+
+def rehome(layers: torch.nn.ModuleList) -> Projections:
     """Puts each module's ``GROUPS`` of plain ``nn.Linear`` children (same input width, dtype,
-    device; all with a bias or none) end to end in one buffer. -> the number of groups moved."""
-    moved = 0
+    device; all with a bias or none) end to end in one buffer. -> the groups moved."""
+    groups = []
     for module in (m for layer in layers for m in layer.modules()):
         for names in GROUPS:
-            lins = [getattr(module, n, None) for n in names]
+            lins = tuple(getattr(module, n, None) for n in names)
             if not all(type(m) is torch.nn.Linear for m in lins):
                 continue
             ws = [m.weight for m in lins]
-            bs = [m.bias for m in lins]
-            if len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1 or len({b is None for b in bs}) != 1 \
+            if len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1 or len({m.bias is None for m in lins}) != 1 \
                     or ws[0].device.type == "meta":
                 continue
-            for params in (ws, bs) if bs[0] is not None else (ws,):
-                with torch.inference_mode(False):  # (a normal tensor: the model may train after)
-                    buf = torch.cat([p.detach() for p in params])
-                at = 0
-                for p in params:
-                    p.data = buf[at: at + p.shape[0]]
-                    at += p.shape[0]
-            moved += 1
-    return moved
+            _join(lins)
+            groups.append(lins)
+    proj = Projections(groups, [])
+    proj.ptrs = proj.addresses()
+    return proj
+
+
+def _join(group) -> None:
+    """The group's weights (and biases) copied into one buffer each, end to end; each parameter a view of its part."""
+    for run in Projections.params(group):
+        with torch.inference_mode(False):  # (a normal tensor: the model may train after)
+            buf = torch.cat([p.detach() for p in run])
+        at = 0
+        for p in run:
+            p.data = buf[at: at + p.shape[0]]
+            at += p.shape[0]
 
 
 def _end_to_end(ts) -> bool:

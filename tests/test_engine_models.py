@@ -148,9 +148,13 @@ def test_compiled_layers_give_the_same_tokens(family):
     seen = []  # per model call: were the layers' compiled calls in place?
     model.register_forward_pre_hook(lambda m, args: seen.append(all(x._compiled_call_impl is not None for x in layers)))
     llm = LLM(model, compile_model="aot_eager", **kw)
-    assert isinstance(llm.forward, CompiledForward) and llm.forward.rehomed == 2 * len(layers)  # q/k/v, gate/up
+    assert isinstance(llm.forward, CompiledForward) and len(llm.forward.projections.groups) == 2 * len(layers)  # qkv, gate/up
     assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)] == want
     assert seen and all(seen) and all(x._compiled_call_impl is None for x in layers)
+    k = layers[0].self_attn.k_proj.weight
+    k.data = k.detach().clone()  # re-pointed (same values): put back end to end before the next call
+    assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert k.storage_offset() > 0 and llm.forward.projections.keep() == 0
     assert CompiledForward.of(torch.nn.Linear(2, 2)).__class__ is torch.nn.Linear  # no decoder layers: not compiled
     with pytest.raises(TypeError, match="compile_model"):
         LLM(model, compile_model=3, **kw)

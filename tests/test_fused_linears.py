@@ -38,7 +38,7 @@ def test_rehome_keeps_parameters_and_values_and_lays_weights_end_to_end(family):
     model = tiny(family, seed=1)
     layers = model.get_decoder().layers
     before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
-    assert rehome(layers) == 2 * len(layers)  # q/k/v and gate/up of every layer
+    assert len(rehome(layers).groups) == 2 * len(layers)  # q/k/v and gate/up of every layer
     for n, p in model.named_parameters():
         assert p is before[n][0] and torch.equal(p, before[n][1]), n
     for layer in layers:
@@ -69,6 +69,27 @@ def test_a_rehomed_model_still_trains_and_keeps_the_layout():
     assert a.k_proj.weight.untyped_storage().data_ptr() == a.q_proj.weight.untyped_storage().data_ptr()
 
 
+def test_a_re_pointed_weight_is_put_back_before_the_compiled_layer_runs():
+    """A weight replaced by another tensor (``p.data = t``, as some weight loaders do) leaves its
+    group apart: the joined linear would read past the new tensor's end. ``keep`` moves the group
+    back end to end (the new values), and the compiled layer gives the plain layer's output."""
+    model = tiny("llama", seed=7)
+    h, pos = _layer_inputs(model)
+    layer = model.get_decoder().layers[0]
+    proj = rehome(model.get_decoder().layers)
+    torch._dynamo.reset()
+    call = torch.compile(layer._call_impl, backend=fusing("aot_eager"))
+    _run_compiled(call, h, pos)
+    assert proj.keep() == 0
+    a = layer.self_attn
+    a.q_proj.weight.data = a.q_proj.weight.detach() * 2  # a fresh tensor: q/k/v apart
+    a.v_proj.weight.data = a.v_proj.weight.detach().clone()
+    want = _run(layer, h, pos)
+    assert proj.keep() == 1 and proj.keep() == 0
+    assert torch.equal(_run(layer, h, pos), want)  # the new values kept
+    assert torch.allclose(_run_compiled(call, h, pos), want, atol=1e-5, rtol=1e-5)
+
+
 class _Biased(torch.nn.Module):
     """q/k/v with biases (as Qwen2's) and a projection of another width that must stay apart."""
 
@@ -86,7 +107,7 @@ def test_biases_are_joined_and_mismatched_groups_left_alone():
     m = _Biased()
     x = torch.randn(3, 8)
     want = m(x)
-    assert rehome(torch.nn.ModuleList([m])) == 1
+    assert len(rehome(torch.nn.ModuleList([m])).groups) == 1
     assert m.k_proj.bias.storage_offset() == 6 and m.up_proj.weight.storage_offset() == 0
     seen = []
 
