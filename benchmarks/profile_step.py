@@ -69,6 +69,7 @@ CASES = {  # name -> (bench_e2e model, bench_e2e engine: its LLM keyword argumen
 ATTN_PATTERNS = ("_decode_kernel", "_fold_states_kernel", "cascade", "node", "_merge_states_kernel",
                  "_merge_gathered_kernel")
 STEP_TAG = "engine_step#"
+LAUNCH_TAG = "engine_launch#"
 
 T0 = time.perf_counter()
 REPORT: list[str] = []
@@ -98,7 +99,8 @@ class StepHook:
         def _launch(llm, *args):
             k = hook.launched
             hook.launched += 1
-            return hook._profiled(k, hook.orig[0], llm, *args)
+            with torch.profiler.record_function(f"{LAUNCH_TAG}{k}"):  # (its kernels: launched inside)
+                return hook._profiled(k, hook.orig[0], llm, *args)
 
         def _finish(llm, *args):
             k = hook.count
@@ -192,11 +194,12 @@ def analyze_trace(path, log, kernel_cats, top=25):
     with open(path) as f:
         trace = json.load(f)
     evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e and "dur" in e]
-    steps = {}
+    spans = {STEP_TAG: {}, LAUNCH_TAG: {}}
     for e in evs:
-        if e.get("name", "").startswith(STEP_TAG) and e.get("cat") != "gpu_user_annotation":
-            k = int(e["name"][len(STEP_TAG):])
-            steps[k] = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        for tag, into in spans.items():
+            if e.get("name", "").startswith(tag) and e.get("cat") != "gpu_user_annotation":
+                into[int(e["name"][len(tag):])] = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+    steps, launches_of = spans[STEP_TAG], spans[LAUNCH_TAG]
     if not steps:
         say("  (no step spans in the trace)")
         return {}
@@ -205,27 +208,37 @@ def analyze_trace(path, log, kernel_cats, top=25):
     if not kernels:
         say(f"  WARNING: no {sorted(kernel_cats)} events in the trace (CUPTI missed the graph kernels?)")
     copies = [e for e in evs if e.get("cat") in ("gpu_memcpy", "gpu_memset")]
+    # A GPU event belongs to the step whose launch made it: its runtime call (same correlation id)
+    # lies in that step's launch span. (Under async scheduling step t's kernels run while the host
+    # finishes step t-1 and launches t+1: their start times say nothing of their step.)
+    called = {e["args"]["correlation"]: float(e["ts"]) for e in evs
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+
+    def step_of(e):
+        ts = called.get(e.get("args", {}).get("correlation"))
+        if ts is not None:
+            for k in order:
+                a, b = launches_of.get(k, (None, None))
+                if a is not None and a <= ts <= b:
+                    return k
+        return None
 
     def assign(events):
         per = {k: [] for k in order}
         for e in events:
-            ts = float(e["ts"])
-            best = None
-            for k in order:  # the step whose span holds the start, else the last step started before it
-                a, b = steps[k]
-                if a <= ts <= b:
-                    best = k
-                    break
-                if a <= ts:
-                    best = k
-            if best is not None and ts <= steps[order[-1]][1] + 1e3:
-                per[best].append((ts, ts + float(e["dur"]), e.get("name", "?")))
+            k = step_of(e)
+            if k is not None:
+                ts = float(e["ts"])
+                per[k].append((ts, ts + float(e["dur"]), e.get("name", "?")))
         return per
 
     kper, cper = assign(kernels), assign(copies)
     ns = len(order)
-    wall = steps[order[-1]][1] - steps[order[0]][0]
     allk = [iv for k in order for iv in kper[k]]
+    if not allk:
+        say("  (no kernels matched to the active steps' launches)")
+        return {}
+    wall = max(b for _, b, _ in allk) - min(a for a, _, _ in allk)  # the active steps' GPU work, end to end
     allc = [iv for k in order for iv in cper[k]]
     ksum = sum(b - a for a, b, _ in allk)
     kunion = union_len([(a, b) for a, b, _ in allk])
@@ -239,9 +252,10 @@ def analyze_trace(path, log, kernel_cats, top=25):
         f" sum/union {ksum / kunion if kunion else 0:.2f}: >1 = overlap, PDL); with memcpy/memset"
         f" {cunion / ns:.1f} us/step ({len(allc) / ns:.1f} copies/step, {sum(b - a for a, b, _ in allc) / ns:.1f} us/step)")
     launches = [float(e["dur"]) for e in evs if e.get("name") == "cudaGraphLaunch"
-                and steps[order[0]][0] <= float(e["ts"]) <= steps[order[-1]][1]]
-    if launches:  # the host held by a graph's launch (grows with its nodes: graph_launch_check.py)
-        say(f"  cudaGraphLaunch: {len(launches)} calls, median {statistics.median(launches):.1f} us of host each")
+                and any(a <= float(e["ts"]) <= b for a, b in launches_of.values())]
+    if launches:  # (under the profiler: CUPTI's instrumentation makes it ~100x its 6-38 us, graph_replay_h200.txt)
+        say(f"  cudaGraphLaunch: {len(launches)} calls, median {statistics.median(launches):.1f} us of host each"
+            " (inflated by the profiler)")
     say(f"  attention kernels ({', '.join(ATTN_PATTERNS)}): union {union_len([(a, b) for a, b, _ in attn]) / ns:.1f}"
         f" us/step, sum {sum(b - a for a, b, _ in attn) / ns:.1f} us/step, {len(attn) / ns:.1f} calls/step")
     # per-kernel table
@@ -259,12 +273,11 @@ def analyze_trace(path, log, kernel_cats, top=25):
         rest = sum(t for _, (_, t) in rows[top:])
         say(f"  {'(the other %d)' % (len(rows) - top):<60}  {sum(c for _, (c, _) in rows[top:]) / ns:8.2f}"
             f"  {rest / ns:9.1f}")
-    # per step
-    say(f"  {'step':>4} {'kind':>8} {'span us':>8} {'k-union':>8} {'k-sum':>8} {'busy%':>6} {'attn-un':>8}"
-        f" {'lead-in':>8} {'tail':>8} {'gap-prev':>8} {'host_ms':>7} {'total_ms':>8} {'gpu_ms':>7} {'attend_ms':>9}")
+    # per step, on the GPU: its kernels' span, and the idle since the previous step's last kernel
+    say(f"  {'step':>4} {'kind':>8} {'gpu span':>8} {'k-union':>8} {'k-sum':>8} {'busy%':>6} {'attn-un':>8}"
+        f" {'idle-prev':>9} {'host_ms':>7} {'total_ms':>8} {'gpu_ms':>7} {'attend_ms':>9}")
     prev_end, gaps, rec_steps = None, [], []
     for k in order:
-        a, b = steps[k]
         ks = kper[k]
         un = union_len([(x, y) for x, y, _ in ks])
         sm = sum(y - x for x, y, _ in ks)
@@ -274,20 +287,20 @@ def analyze_trace(path, log, kernel_cats, top=25):
         gap = (first - prev_end) if (first is not None and prev_end is not None) else None
         if gap is not None:
             gaps.append(gap)
+        period = None if last is None else last - (first if prev_end is None else min(prev_end, first))
         s = log[k] if k < len(log) else {}
         f = lambda v, m=1e3, d=3: "" if v is None else f"{v * m:.{d}f}"  # noqa: E731
-        say(f"  {k:>4} {s.get('kind', '?'):>8} {b - a:8.1f} {un:8.1f} {sm:8.1f} {un / (b - a) * 100 if b > a else 0:6.1f}"
-            f" {at:8.1f} {f(first - a if first is not None else None, 1, 1):>8} {f(b - last if last is not None else None, 1, 1):>8}"
-            f" {f(gap, 1, 1):>8} {f(s.get('host_s')):>7} {f(s.get('total_s')):>8} {f(s.get('gpu_s')):>7}"
-            f" {f(s.get('attend_s')):>9}")
-        rec_steps.append(dict(step=k, kind=s.get("kind"), span_us=b - a, kernel_union_us=un, kernel_sum_us=sm,
-                              attn_union_us=at, lead_in_us=None if first is None else first - a,
-                              tail_us=None if last is None else b - last, gap_prev_us=gap))
+        say(f"  {k:>4} {s.get('kind', '?'):>8} {f(None if last is None else last - first, 1, 1):>8} {un:8.1f} {sm:8.1f}"
+            f" {f(un / period if period else None, 100, 1):>6} {at:8.1f} {f(gap, 1, 1):>9} {f(s.get('host_s')):>7}"
+            f" {f(s.get('total_s')):>8} {f(s.get('gpu_s')):>7} {f(s.get('attend_s')):>9}")
+        rec_steps.append(dict(step=k, kind=s.get("kind"), gpu_span_us=None if last is None else last - first,
+                              kernel_union_us=un, kernel_sum_us=sm, attn_union_us=at, idle_prev_us=gap))
         if last is not None:
             prev_end = last
     if gaps:
-        say(f"  GPU idle between consecutive steps (last kernel -> next step's first): median {statistics.median(gaps):.1f}"
-            f" us, max {max(gaps):.1f} us, total {sum(gaps):.1f} us over {len(gaps)} gaps")
+        idle = [max(0.0, g) for g in gaps]
+        say(f"  GPU idle between consecutive steps (a step's last kernel -> the next one's first): median"
+            f" {statistics.median(idle):.1f} us, max {max(idle):.1f} us, {sum(idle) / wall * 100:.1f}% of the span")
     return dict(active_steps=order, wall_us=wall, kernel_union_us=kunion, kernel_sum_us=ksum,
                 busy_frac=kunion / wall if wall else None, attn_union_us_per_step=union_len([(a, b) for a, b, _ in attn]) / ns,
                 kernels=[dict(name=nm, calls_per_step=c / ns, us_per_step=t / ns) for nm, (c, t) in rows],
