@@ -72,13 +72,9 @@ def main() -> None:
     md = C.md_table(["model", "group", "rows", "apart (us)", "joined (us)", "speed-up", "joined GB/s"], table)
     print(md)
     if not a.quick:
-        slug = C.gpu_slug(device)
-        C.write_json(a.out or os.path.join(C.ROOT, "benchmarks", "results", f"{slug}.json"), BENCH,
-                     {"when": C.now(), "gpu": C.gpu_name(device), "versions": C.versions(), "cases": results})
-        C.write_md_section(a.md or os.path.join(C.ROOT, "benchmarks", "results", f"{slug}.md"), BENCH,
-                           f"## Decode projections apart vs joined ({C.gpu_name(device)}, {C.now()})\n\nus per "
-                           f"layer's group in CUDA graphs, {LAYERS} layers' weights rotated, the same outputs "
-                           f"checked first.\n\n{md}\n")
+        C.save_results(device, BENCH, results, f"## Decode projections apart vs joined ({C.gpu_name(device)}, "
+                       f"{C.now()})\n\nus per layer's group in CUDA graphs, {LAYERS} layers' weights rotated, the "
+                       f"same outputs checked first.\n\n{md}\n", a.out, a.md)
 
 
 if __name__ == "__main__":

@@ -63,12 +63,9 @@ def main() -> None:
                         "sample bf16: four passes (us)", "one pass (us)", "speed-up"], rows)
     print(table)
     if not a.quick:
-        slug = C.gpu_slug(device)
-        C.write_json(a.out or os.path.join(C.ROOT, "benchmarks", "results", f"{slug}.json"), BENCH,
-                     {"when": C.now(), "gpu": C.gpu_name(device), "versions": C.versions(), "cases": results})
-        C.write_md_section(a.md or os.path.join(C.ROOT, "benchmarks", "results", f"{slug}.md"), BENCH,
-                           f"## Sampling draw ({C.gpu_name(device)}, {C.now()})\n\nus per draw, the same tokens "
-                           f"checked first (the sample: with each token's log-probability, temperatures 0.5-1.5).\n\n{table}\n")
+        C.save_results(device, BENCH, results, f"## Sampling draw ({C.gpu_name(device)}, {C.now()})\n\nus per draw, the "
+                       f"same tokens checked first (the sample: with each token's log-probability, temperatures "
+                       f"0.5-1.5).\n\n{table}\n", a.out, a.md)
 
 
 if __name__ == "__main__":

@@ -275,6 +275,15 @@ def write_json(path: str, bench: str, payload: dict) -> None:
     os.replace(tmp, path)
 
 
+def save_results(device, bench: str, cases: dict, text: str, out: str | None = None, md: str | None = None) -> None:
+    """A small benchmark's results: ``{"when", "gpu", "versions", "cases"}`` into the JSON file
+    (default ``benchmarks/results/<gpu>.json``) and ``text`` as its section of the markdown file."""
+    slug = gpu_slug(device)
+    write_json(out or os.path.join(ROOT, "benchmarks", "results", f"{slug}.json"), bench,
+               {"when": now(), "gpu": gpu_name(device), "versions": versions(), "cases": cases})
+    write_md_section(md or os.path.join(ROOT, "benchmarks", "results", f"{slug}.md"), bench, text)
+
+
 def md_table(header, rows) -> str:
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
