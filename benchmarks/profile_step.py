@@ -200,10 +200,12 @@ def analyze_trace(path, log, kernel_cats, top=25):
             if e.get("name", "").startswith(tag) and e.get("cat") != "gpu_user_annotation":
                 into[int(e["name"][len(tag):])] = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
     steps, launches_of = spans[STEP_TAG], spans[LAUNCH_TAG]
-    if not steps:
-        say("  (no step spans in the trace)")
+    # the active steps: finished and launched inside the recording (step t is launched before step
+    # t-1 finishes, so the first finished step's launch may lie before the window opened)
+    order = sorted(k for k in steps if k in launches_of)
+    if not order:
+        say("  (no step with both its launch and its finish in the trace)")
         return {}
-    order = sorted(steps)
     kernels = [e for e in evs if e.get("cat") in kernel_cats]
     if not kernels:
         say(f"  WARNING: no {sorted(kernel_cats)} events in the trace (CUPTI missed the graph kernels?)")

@@ -25,11 +25,13 @@ def test_kernels_belong_to_the_step_that_launched_them(tmp_path):
         half = (a + b) / 2
         ev.append(_x("_cascade_node_kernel", "kernel", a, half - a, correlation=10 * k + 1))
         ev.append(_x("nvjet_gemm", "kernel", half, b - half, correlation=10 * k + 1))
+    ev.append(_x(f"{P.STEP_TAG}3", "user_annotation", 3500.0, 50.0))  # launched before the recording: left out
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": ev}))
     log = [dict(kind="cascade")] * 3
     rec = P.analyze_trace(str(path), log, {"kernel"})
     steps = {s["step"]: s for s in rec["steps"]}
+    assert rec["active_steps"] == [0, 1, 2]
     assert [steps[k]["gpu_span_us"] for k in range(3)] == [950.0, 900.0, 900.0]
     assert [steps[k]["idle_prev_us"] for k in range(3)] == [None, 50.0, 200.0]
     assert steps[1]["attn_union_us"] == 450.0
