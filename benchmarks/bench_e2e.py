@@ -57,8 +57,7 @@ MODELS = {
 QUICK_MODELS = {"tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)}
 ENGINES = ("ours", "ours_cascade_graphs", "ours_cascade_nocompile", "ours_cascade", "ours_flat", "ours_flat_eager",
-           "hf_generate",
-           "hf_generate_batch")
+           "hf_generate", "hf_generate_batch")
 OURS = {"ours": dict(), "ours_cascade_graphs": dict(always_cascade=True),
         "ours_cascade_nocompile": dict(always_cascade=True, compile_model=False), "ours_cascade": dict(enforce_eager=True),
         "ours_flat": dict(cascade=False),

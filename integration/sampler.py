@@ -106,7 +106,6 @@ class Sampler:
             out.top_ids, out.top_logprobs = ids, top - raw_lse[:, None]
         return out
 
-
     def _filters(self, rows: SampleRows, v: int, dev) -> _Filters:
         """The rows' settings on the device, made once for the settings arrays of a batch: the engine
         passes the same arrays while a decode batch keeps its samples (SampleBook.rows)."""
