@@ -29,6 +29,7 @@ import operator
 from dataclasses import dataclass
 
 import torch
+from torch._dynamo.exc import RestartAnalysis
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +186,8 @@ def fusing(backend):
             return inner(gm, example_inputs)
         try:
             return inner(fused, example_inputs)
+        except RestartAnalysis:  # Dynamo's signal to capture again (e.g. a float made dynamic once
+            raise                # seen with two values, then specialized): not a failure to fall back from
         except Exception as e:  # noqa: BLE001 - the graph as captured still compiles
             log.warning("fused projections did not compile (%s: %s); this layer graph runs them apart",
                         type(e).__name__, str(e).strip().split("\n")[0])

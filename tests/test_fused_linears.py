@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from paged_backend.integration.fused_linears import LINEARS, fuse_linears, fusing, rehome
+from paged_backend.integration import LLM, SamplingParams
 from test_engine_models import tiny
 
 
@@ -179,3 +180,29 @@ def test_gpu_inductor_runs_the_fused_projections(family):
         return fusing("inductor")(gm, example_inputs)
     got = _capture(model.get_decoder().layers[0], h, pos, counting)
     assert counts == [2] and torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+
+def test_dynamos_restart_is_passed_on_and_the_recapture_fused(caplog):
+    """A second model in the process whose attention scale differs: Dynamo makes the float
+    dynamic, and AOTAutograd, which cannot keep it so (it goes out to our attention, a graph
+    break), asks for a capture again (TensorifyScalarRestartAnalysis) - a signal, not a failure.
+    Taken for one, the layers ran q/k/v and gate/up apart (the 8B shape profiled after SmolLM2 in
+    one process on the H200: 0.25 ms of a 3.5 ms step)."""
+    torch._dynamo.reset()
+    fused, left = [], []
+
+    def spy(gm, example_inputs):  # what the inner backend gets: the graph fused, or as captured
+        fused[-1].append(any(n.target is torch.as_strided for n in gm.graph.nodes))
+        left.append(fuse_linears(copy.deepcopy(gm), example_inputs))
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    with caplog.at_level("WARNING", logger="paged_backend.integration.fused_linears"):
+        for head_dim in (64, 128):
+            fused.append([])
+            llm = LLM(tiny("llama", seed=6, head_dim=head_dim), device="cpu", num_blocks=32, max_num_seqs=4,
+                      compile_model=spy)
+            llm.generate([{"prompt_token_ids": list(range(3, 20))}],
+                         SamplingParams(n=2, max_tokens=2, ignore_eos=True, temperature=0), use_tqdm=False)
+            assert llm.forward.failed is None
+    assert not caplog.records and not any(left)  # no graph kept projections it could have joined
+    assert all(any(graphs) for graphs in fused)
