@@ -192,7 +192,9 @@ def test_assert_close_state_rules():
     lse = torch.tensor([[0.5] * 4, [float("-inf")] * 4, [1.0] * 4], dtype=torch.float64)
     pt.assert_close_state(o.float(), lse.float(), o, lse, torch.float32)
     for out, ls, why in ((o * 1.01, lse, "rel err"), (o, lse + 0.01, "lse abs err"),
-                         (o, torch.where(torch.isinf(lse), 0.0, lse), "-inf pattern"),
+                         (o, torch.where(torch.isinf(lse), 0.0, lse),
+                          r"-inf pattern differs: 4 entries without keys have a finite lse \(e.g. 0\)"),
+                         (o, lse.masked_fill(lse > 0.7, float("-inf")), "4 entries with keys have lse -inf"),
                          (o.masked_fill(o > 2, float("nan")), lse, "NaN"),
                          (o, lse.masked_fill(lse > 0.7, float("nan")), "NaN")):
         with pytest.raises(AssertionError, match=why):

@@ -62,12 +62,25 @@ def check_state(out, lse, ref_o, ref_lse, dtype, tol=None, lse_tol=LSE_TOL) -> C
         if torch.isnan(lse).any():
             dl, why = math.inf, "lse has NaN"
         elif not torch.equal(torch.isfinite(lse), fin):
-            dl, why = math.inf, "lse -inf pattern differs"
+            dl, why = math.inf, _pattern_problem(lse, fin)
         else:
             dl = (lse[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
             why = "" if dl <= lse_tol else f"lse abs err {dl:.3g} > {lse_tol}"
         problem = problem or why
     return Check(not problem, problem, err, dl)
+
+
+def _pattern_problem(lse, fin) -> str:
+    """Says where ``lse``'s -inf pattern differs from the reference's (``fin``: its finite rows)."""
+    should_inf = ~fin & torch.isfinite(lse)   # rows without keys that got a finite lse
+    should_fin = fin & ~torch.isfinite(lse)
+    parts = []
+    if should_inf.any():
+        parts.append(f"{int(should_inf.sum())} entries without keys have a finite lse "
+                     f"(e.g. {lse[should_inf][0].item():.6g}) instead of -inf")
+    if should_fin.any():
+        parts.append(f"{int(should_fin.sum())} entries with keys have lse {lse[should_fin][0].item()}")
+    return "lse -inf pattern differs: " + "; ".join(parts)
 
 
 def assert_close_state(out, lse, ref_o, ref_lse, dtype, tol=None):
