@@ -119,6 +119,7 @@ def run_ours(model, prompt, n, new, kwargs: dict, device) -> dict:
                paths=" ".join(f"{k}x{len(list(g))}" for k, g in itertools.groupby(s["kind"] for s in dec)),
                graph_steps=sum(s["kind"] == "graph" for s in dec), step_ms=med("total_s"),
                step_gpu_ms=med("gpu_s"), step_host_ms=med("host_s"), attend_ms=med("attend_s"),
+               gpu_idle_share=_idle_share(dec),
                peak_gib=_peak(device), kv_pool_gib=llm.cache.nbytes / 2 ** 30)
     del llm
     C.free_memory()
@@ -241,7 +242,7 @@ def main(argv=None) -> int:
                "workload": dict(prompt_len=args.prompt_len, n=args.n, new=args.new, batch_new=args.batch_new,
                                 dtype="bf16"), "results": results}
     table = C.md_table(["model", "engine", "tok/s", "decode tok/s", "prefill s", "decode step ms (floor)",
-                        "attention / host ms", "peak GiB"], rows)
+                        "attention / host ms", "GPU idle", "peak GiB"], rows)
     print(table)
     if not args.quick:  # one section per set of models, so models can run in processes of their own
         slug, name = C.gpu_slug(), f"e2e:{','.join(models)}:{args.prompt_len}x{args.n}x{args.new}"
@@ -291,6 +292,14 @@ def _run_one(args) -> int:
     return 0
 
 
+def _idle_share(steps: list) -> float | None:
+    """The share of the decode steps' GPU clock (each step's span and the gap before it) in which
+    the GPU had none of the engine's work: the gaps between steps, from CUDA events, no profiler."""
+    timed = [s for s in steps if s.get("idle_s") is not None and s.get("gpu_s") is not None]
+    busy, idle = sum(s["gpu_s"] for s in timed), sum(s["idle_s"] for s in timed)
+    return idle / (busy + idle) if busy + idle > 0 else None
+
+
 def make_prompt(shape: dict, length: int) -> list:
     """The run's prompt: token ids from a fixed seed (the same in every process)."""
     return torch.randint(10, shape["vocab_size"], (length,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -298,12 +307,13 @@ def make_prompt(shape: dict, length: int) -> list:
 
 def _row(model: str, eng: str, rec: dict) -> list:
     if "error" in rec:
-        return [model, eng, "error: " + rec["error"][:80], "", "", "", "", ""]
+        return [model, eng, "error: " + rec["error"][:80], "", "", "", "", "", ""]
     f = lambda v, d=0: "" if v is None else f"{v:,.{d}f}"  # noqa: E731
     step = f"{f(rec.get('step_ms'), 2)} ({f(rec.get('floor_ms'), 2)})" if "step_ms" in rec else ""
     share = f"{f(rec.get('attend_ms'), 2)} / {f(rec.get('step_host_ms'), 2)}" if "attend_ms" in rec else ""
+    idle = rec.get("gpu_idle_share")
     return [model, eng, f(rec["tok_s"]), f(rec.get("decode_tok_s")), f(rec.get("prefill_s"), 2), step, share,
-            f(rec.get("peak_gib"), 1)]
+            "" if idle is None else f"{100 * idle:.1f}%", f(rec.get("peak_gib"), 1)]
 
 
 if __name__ == "__main__":

@@ -195,7 +195,7 @@ class LLM:
                 self._live[r.request_id] = r
                 stats.num_samples += r.params.n
                 stats.prompt_tokens += len(r.token_ids)
-            self._last_finish = t_start
+            self._last_finish, self._last_events = t_start, None
             if self.choice is not None:
                 self.choice.new_run()
             while step is not None or self.sched.has_unfinished():
@@ -291,14 +291,18 @@ class LLM:
             elif step.kind == GRAPH:
                 self.choice.note_flat(dt, batch)
         if self.profile:
-            gpu = attend = None
+            gpu = attend = idle = None
             if step.events:
                 step.events[1].synchronize()  # (a step of prefill chunks copies nothing back: no sync)
                 gpu = step.events[0].elapsed_time(step.events[1]) / 1e3
                 if step.attend_events:
                     attend = sum(a.elapsed_time(b) for a, b in step.attend_events) / 1e3
+                if self._last_events is not None:  # the GPU clock from the last step's end to this one's start
+                    idle = self._last_events[1].elapsed_time(step.events[0]) / 1e3
+                self._last_events = step.events
             stats.step_log.append(dict(kind=step.kind, rows=len(batch.seqs), tokens=batch.num_tokens,
-                                       host_s=step.t_issued - step.t0, total_s=dt, gpu_s=gpu, attend_s=attend))
+                                       host_s=step.t_issued - step.t0, total_s=dt, gpu_s=gpu, attend_s=attend,
+                                       idle_s=idle))
         stats.steps += 1
         stats.graph_captures += step.captured
         if batch.num_prefill_tokens:

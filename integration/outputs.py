@@ -75,6 +75,8 @@ class RunStats:
     preemptions: int = 0
     step_log: list[dict] = field(default_factory=list)  # with LLM(profile=True): per step kind, rows,
     # tokens, host_s (until every kernel was queued), total_s (until the tokens were on the host), gpu_s
+    # (GPU clock between events recorded before its first launch and after its last), idle_s (from the last
+    # step's end to this one's start: time the GPU had nothing of the engine's to run; None first)
 
     @property
     def tokens_per_s(self) -> float:

@@ -127,8 +127,12 @@ def test_gpu_decode_graphs_match_eager():
     llm = LLM(model, device="cuda", dtype="float32", num_blocks=64, profile=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    kinds = [s["kind"] for s in llm.last_stats.step_log]
+    log = llm.last_stats.step_log
+    kinds = [s["kind"] for s in log]
     assert kinds.count("graph") >= 15 and set(llm.graphs.graphs) >= {8, 4}
+    # GPU clock per step (events): a span, and from the second step on the gap after the last one
+    assert log[0]["idle_s"] is None and all(s["gpu_s"] > 0 for s in log)
+    assert all(s["idle_s"] >= 0 for s in log[1:])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
