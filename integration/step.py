@@ -20,6 +20,7 @@ import torch
 
 import paged_backend as pb
 from paged_backend.cascade import CascadeCost
+from paged_backend.cascade.planner import CascadePlanner
 
 from .kv_cache import PagedKVCache
 
@@ -126,8 +127,7 @@ class StepBuilder:
         self.cascade_cost = cascade_cost or CascadeCost(kv_elem_bytes=spec.dtype.itemsize)
         self.windows = tuple(windows)
         self._decode_plans: dict[tuple, pb.DecodePlan] = {}  # (batch size, window) -> plan (kept buffers)
-        self._forest: dict = {}                             # window -> the last decode step's cascade plan
-        self._forest_ids: np.ndarray | None = None          # and its rows' seq ids
+        self.planner = CascadePlanner(self.windows, **self.shape)  # rows named by seq ids
 
     def wants_cascade(self, batch) -> bool:
         """Whether a decode-only ``batch`` would be planned as a cascade (rows share blocks)."""
@@ -145,13 +145,13 @@ class StepBuilder:
         step = Step(self.cache, ids, pos, slots, table, lens, qsl_d, logit_rows, PREFILL, int(batch.seq_lens.max()),
                     seq_lens_cpu=batch.seq_lens, query_start_loc_cpu=qsl)
         if batch.num_prefill_tokens:
-            self._forest, self._forest_ids = {}, None  # shared blocks may change: plan anew later
+            self.planner.reset()  # shared blocks may change: plan anew later
             return step
         if self.wants_cascade(batch):
             step.kind, step.plans = CASCADE, self.cascade_plans(batch.block_tables, batch.seq_lens, batch.seq_ids,
                                                                 table)
         else:
-            self._forest, self._forest_ids = {}, None
+            self.planner.reset()
             step.kind, step.plans = DECODE, {w: self._decode_plan(batch.seq_lens, w) for w in self.windows}
         return step
 
@@ -170,20 +170,4 @@ class StepBuilder:
         sequence ids), ``table_host [B, cols]``, ``lens [B]``, the table on the device ``table``, each
         from the last step's of that window where it carries over. ``arenas``: {window: CascadeArena
         or None} to plan into (CUDA-graph steps)."""
-        kw = dict(self.shape, cost=self.cascade_cost, block_table_device=table)
-        if self._forest:
-            if np.array_equal(ids, self._forest_ids):
-                kw["forest_rows"] = None
-            else:
-                where = {int(s): i for i, s in enumerate(self._forest_ids)}
-                rows = np.fromiter((where.get(int(s), -1) for s in ids), np.int64, ids.size)
-                if (rows >= 0).all():  # only finished samples left the batch: keep the forest
-                    kw["forest_rows"] = rows
-        plans = {}
-        for w in self.windows:
-            forest = self._forest.get(w) if "forest_rows" in kw else None
-            plans[w] = pb.plan_cascade(table_host, lens, window=w, arena=(arenas or {}).get(w),
-                                       **(dict(kw, forest=forest) if forest is not None else
-                                          {k: v for k, v in kw.items() if k != "forest_rows"}))
-        self._forest, self._forest_ids = plans, ids
-        return plans
+        return self.planner.plans(table_host, lens, ids, table, self.cascade_cost, arenas)

@@ -12,6 +12,7 @@ from paged_backend.cascade import fused as cfused
 from paged_backend.cascade import partition as cpart
 from paged_backend.cascade.forest import auto_forest
 from paged_backend.cascade.plan import LEAF_FIELDS, NODE_FIELDS, CascadeCost
+from paged_backend.cascade.planner import CascadePlanner
 from paged_backend.decode_plan import cut_pieces
 from tests.test_cascade import check_exact, forest_inputs, random_forest
 
@@ -487,3 +488,38 @@ def test_forest_reuse_rejects_a_changed_batch(monkeypatch):
     monkeypatch.setenv("PAGED_BACKEND_DEBUG", "1")
     with pytest.raises(ValueError, match="row 1 no longer holds"):
         pb.plan_cascade(inner, lens_np, **kw, forest=first)
+
+
+def test_planner_carries_the_forest_by_ids():
+    """CascadePlanner: the same ids reuse the last forest whole, a subset restricts it, a new id plans
+    anew; a forest the table no longer holds raises unless ``checked`` (rows known by place), which
+    plans anew. Each plan's nodes are a fresh plan's."""
+    bs, dev = 16, torch.device("cpu")
+    shape = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=bs, device=dev)
+    table = np.arange(6 * 8, dtype=np.int32).reshape(6, 8) + 100
+    table[:4, :4] = np.arange(4)  # rows 0-3 share 4 blocks, rows 4-5 their first 2
+    table[4:, :2] = np.arange(50, 52)
+    cost = CascadeCost(0, 0, 0)
+
+    def nodes(plans):
+        p = plans[None]
+        return np.diff(p.node_ptr).tolist(), p.node_members.tolist()
+
+    def fresh(t, lens):
+        return nodes({None: pb.plan_cascade(t, lens, cost=cost, **shape)})
+    planner = CascadePlanner(**shape)
+    lens = np.full(6, 6 * bs + 3, np.int64)
+    every = [10, 11, 12, 13, 14, 15]  # the rows' ids
+    for step, ids in enumerate((every, every, [10, 12, 13, 14])):
+        rows = [every.index(i) for i in ids]
+        t, n = table[rows], lens[rows] + step
+        got = planner.plans(t, n, np.array(ids), torch.from_numpy(t), cost)
+        assert nodes(got) == fresh(t, n) and planner.reused == step
+    assert nodes(planner.plans(table[:3], lens[:3], np.array([10, 11, 99]), torch.from_numpy(table[:3]), cost)) == \
+        fresh(table[:3], lens[:3]) and planner.reused == 2  # a new id: planned anew
+    moved = table[[4, 5, 0]]  # the same ids, other rows in their places
+    with pytest.raises(ValueError, match="no longer holds"):
+        planner.plans(moved, lens[:3], np.array([10, 11, 99]), torch.from_numpy(moved), cost)
+    planner.plans(table[:3], lens[:3], np.array([10, 11, 99]), torch.from_numpy(table[:3]), cost)
+    got = planner.plans(moved, lens[:3], np.array([10, 11, 99]), torch.from_numpy(moved), cost, checked=True)
+    assert nodes(got) == fresh(moved, lens[:3]) and planner.reused == 3

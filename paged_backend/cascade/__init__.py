@@ -2,8 +2,9 @@
 
 Modules: ``ops`` (the two public ops and their argument checks), ``plan`` (the plan and its cost
 model), ``forest`` (sharing found from the block tables), ``reuse`` (a forest kept across decode
-steps), ``partition`` (the stream-K work split and the device buffers), ``fused`` (the Hopper
-kernel's lockstep lists), ``arena`` (fixed device buffers: one CUDA graph for many steps' plans).
+steps), ``planner`` (plans step after step from the last one's forest), ``partition`` (the stream-K
+work split and the device buffers), ``fused`` (the Hopper kernel's lockstep lists), ``arena`` (fixed
+device buffers: one CUDA graph for many steps' plans).
 See docs/cascade.md.
 """
 from paged_backend.cascade.arena import CascadeArena
