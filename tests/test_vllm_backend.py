@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -260,6 +261,27 @@ def test_shared_prefix(vllm_config, monkeypatch, kind, cascade, device):
     md, _, (out,) = run_step(vllm_config, layers, batch)
     assert isinstance(md.plans[None], pb.CascadePlan if cascade else pb.DecodePlan)
     check(batch, layers[0], out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cascade_forest_carries_over_steps(vllm_config, monkeypatch, device):
+    """Decode steps of the same 16 samples plan from the last step's forest (found once); a step
+    whose rows no longer hold its node's blocks (other requests in their places) is planned anew;
+    every step matches the reference."""
+    monkeypatch.setenv("PAGED_BACKEND_CASCADE", "1")
+    layers = make_layers(vllm_config, 128)
+    builder = None
+    steps = [([list(range(16))], 0), ([list(range(16))], 0), ([list(range(16))], 0),
+             ([list(range(8)), list(range(8, 16))], 5)]  # (sharing groups, seed of the block ids)
+    for t, (share, seed) in enumerate(steps):
+        batch = Batch([n + t for n in SAMPLES], [1] * 16, 16, 128, device=device, share=share, shared_blocks=64,
+                      seed=seed)
+        md, builder, (out,) = run_step(vllm_config, layers, batch, builder)
+        plan = md.plans[None]
+        assert isinstance(plan, pb.CascadePlan) and not plan.is_flat
+        assert builder.planner.reused == (0, 1, 2, 2)[t]
+        assert np.diff(plan.node_ptr).tolist() == ([16] if t < 3 else [8, 8])
+        check(batch, layers[0], out)
 
 
 @pytest.mark.kernel

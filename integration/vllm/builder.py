@@ -16,7 +16,11 @@ plan cannot (its buffers follow its forest): where vLLM may replay a full decode
 graphs on and the batch within the captured sizes), decode-only batches take the flat plan.
 A cascade plan needs the block table on the host, which vLLM's metadata does not carry: eager steps
 with two or more decode rows copy its first column from the device (a sync), and the whole table
-only when some rows share a first block (costs measured in docs/vllm.md);
+only when some rows share a first block (costs measured in docs/vllm.md). The plan starts from the
+last step's forest (``CascadePlanner``, rows known by their place in the batch) where that forest
+still holds in the table - vLLM gives no request ids, so a reused node is checked on the table (each
+member still holds its last block: a block held at one place by two rows has one prefix, vLLM's
+prefix cache chains them) and the step is planned anew where one does not.
 ``PAGED_BACKEND_CASCADE=0`` turns cascade off. Layers with a sliding window get plans of their
 window (one per distinct window among the builder's layers: vLLM gives sliding-window layers KV
 cache groups, and builders, of their own).
@@ -36,6 +40,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 import paged_backend as pb
 from paged_backend.cascade import CascadeCost
+from paged_backend.cascade.planner import CascadePlanner
 
 
 @dataclass
@@ -90,6 +95,7 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         self.graph_rows = (comp.max_cudagraph_capture_size or 0) if full_decode else 0
         self._graph_plans: dict[tuple, pb.DecodePlan] = {}  # per (captured batch size, window)
         self._eager_plans: dict = {}  # per window
+        self.planner = CascadePlanner(self.windows, **self.shape)
         self.plans_made = 0  # steps planned (tests: one per step, whatever the number of layers)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -122,14 +128,15 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         # first the first column, as rows that share no first block share nothing
         if self.cascade and nd >= 2 and not graphable and np.unique(block_table[:, 0].cpu().numpy()).size < nd:
             table = block_table.cpu().numpy()
+        if table is None:
+            self.planner.reset()
+        else:
+            cplans = self.planner.plans(table, lens, np.arange(nd), block_table, self.cascade_cost, checked=True)
         plans = {}
         for w in self.windows:
-            if table is not None:
-                cplan = pb.plan_cascade(table, lens, block_table_device=block_table, window=w, cost=self.cascade_cost,
-                                        **self.shape)
-                if not cplan.is_flat:
-                    plans[w] = cplan
-                    continue
+            if table is not None and not cplans[w].is_flat:
+                plans[w] = cplans[w]
+                continue
             plan = self._graph_plans.get((nd, w)) if graphable else self._eager_plans.get(w)
             if plan is not None and plan.batch_size == nd:
                 plans[w] = plan.update(lens)
