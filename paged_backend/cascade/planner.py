@@ -1,8 +1,9 @@
 """Cascade plans for decode step after decode step, each made from the last step's forest where it
 carries over: what the engine's step builder and the vLLM plug-in's metadata builder both do.
 
-Finding the forest (the blocks rows share) is most of a plan's host time (~1.5 ms for 64 rows of
-8K tokens); between decode steps it stays while the same requests run, their tails one token longer.
+Finding the forest (the blocks rows share) is most of a plan's host time (64 rows sharing 8K tokens,
+2-core CPU: 338 us a plan from scratch, 139 us carried over); between decode steps the forest stays
+while the same requests run, their tails one token longer.
 Rows are named by ``ids`` (an engine's sequence ids; the vLLM builder's rows, by place): the same ids
 in the same order reuse the forest whole (``forest=``), a subset of them - requests finished, none
 joined - restricts it (``forest_rows=``), anything else is planned from scratch. A forest is only
