@@ -11,6 +11,7 @@ prefix once + the suffixes) / time, as % of the copy bandwidth measured in the s
 Also times ``plan_cascade`` on 1024 requests x 2K blocks (host, target < 1 ms), new, with the
 forest of the previous step reused (``forest=``), and with it restricted to the requests left after
 32 finished (``forest_rows=``).
+``--node-programs 66,264`` also times ours with those node grids (plan_cascade's ``node_programs``).
 Failures (ours or a peer) are recorded, never fatal.
 """
 from __future__ import annotations
@@ -40,6 +41,10 @@ CASES = {
     "32768/256/256": [(32768, 1), (256, 256)],
     "131072/8/1024": [(131072, 1), (1024, 8)],
     "2level": [(2048, 1), (4096, 32), (256, 8)],
+    # the engine's decode steps on the Llama-3-8B shape half way through bench_e2e's runs (64 samples
+    # of a 4K prompt, 128 of 256 new tokens; of a 32K prompt, 32 of 64)
+    "4096/64/128": [(4096, 1), (128, 64)],
+    "32768/64/32": [(32768, 1), (32, 64)],
 }
 QUICK = {"64/4/16": [(64, 1), (16, 4)], "2level-tiny": [(32, 1), (48, 2), (8, 3)]}
 
@@ -119,10 +124,10 @@ def ours_flat(case, device, dtype):
     return fns, fns[0]
 
 
-def ours_cascade(case, device, dtype):
+def ours_cascade(case, device, dtype, node_programs=None):
     bt_dev = torch.from_numpy(case["table"]).to(device)
     cplan = pb.plan_cascade(case["table"], case["lens"], num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                            block_size=BS, device=device, block_table_device=bt_dev)
+                            block_size=BS, device=device, block_table_device=bt_dev, node_programs=node_programs)
     case["cplan"] = cplan
     fns = [lambda q=q, k=k, v=v: pb.cascade_decode(q, k, v, cplan) for q, k, v in case["sets"]]
     return fns, fns[0]
@@ -175,6 +180,8 @@ def main():
     p.add_argument("--impls", help=f"comma-separated subset of {','.join(IMPLS)}")
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--kv-dtype", choices=["fp8"], help="fp8 (e4m3) caches, bf16 queries (floor counts fp8 bytes)")
+    p.add_argument("--node-programs", help="comma-separated node grids to time ours with besides the default "
+                                           "(plan_cascade's node_programs: a sweep; rows ours_cascade@N in the JSON)")
     p.add_argument("--out", help="results JSON; default benchmarks/results/<gpu>.json, none with --quick")
     p.add_argument("--md", help="markdown; default benchmarks/results/<gpu>.md, none with --quick")
     a = p.parse_args()
@@ -187,6 +194,7 @@ def main():
     if a.cases:
         cases = {k: cases[k] for k in a.cases.split(",")}
     impls = a.impls.split(",") if a.impls else list(IMPLS)
+    impls += [f"ours_cascade@{int(n)}" for n in a.node_programs.split(",")] if a.node_programs else []
     bw = C.copy_bandwidth(device)
     print(f"{C.gpu_name(device)}  copy bandwidth {bw:.0f} GB/s  {C.versions()}")
     results = {"device": C.gpu_name(device), "copy_GBps": bw, "versions": C.versions(), "cases": {}}
@@ -217,7 +225,8 @@ def main():
                 if impl.startswith("fi_") and device.type != "cuda":
                     res[impl] = {"skipped": "needs CUDA"}
                     continue
-                fns, result = IMPLS[impl](case, device, dtype)
+                name_, _, grid = impl.partition("@")
+                fns, result = IMPLS[name_](case, device, dtype, **({"node_programs": int(grid)} if grid else {}))
                 entry = {}
                 if result is not None:
                     o, lse = result()
@@ -228,7 +237,7 @@ def main():
                         entry["lse_err_vs_first"] = float((lse.float() - ref[1]).abs().max())
                 us = C.time_us(C.rotate(fns), device)
                 entry.update(us=us, floor_pct=100 * case["unique_bytes"] / (us * 1e-6) / 1e9 / bw)
-                if impl == "ours_cascade":
+                if impl.startswith("ours_cascade"):
                     cp = case["cplan"]
                     q, k, v = case["sets"][0]
                     entry.update(nodes=cp.num_nodes, block_m=cp.block_m, flat=cp.is_flat,
@@ -259,6 +268,8 @@ def main():
                      *(f"{res[k]:.2f}x" if k in res else "-" for k in
                        ("speedup_vs_ours_flat", "speedup_vs_fi_cascade", "speedup_vs_fi_flat"))])
         print(rows[-1])
+        for impl in (i for i in impls if "@" in i):  # the node-grid sweep
+            print(f"  {impl}: {cell(impl)}, {res.get(impl, {}).get('node_pieces')} node pieces")
     table = C.md_table(["prefix/n/suffix", "ours cascade", "ours flat", "FI cascade", "FI flat",
                         "vs ours flat", "vs FI cascade", "vs FI flat"], rows)
     print(table)
