@@ -46,11 +46,12 @@ class CascadeGraphs:
         self.captures = 0  # graphs captured so far
         self.pool = None
 
-    def run(self, batch, ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    def run(self, batch, ids: torch.Tensor | None = None, mark=None) -> torch.Tensor | None:
         """Logits [B, V] of a decode-only ``batch`` whose rows share blocks, run as a cascade in a
         graph; None where it cannot (the caller runs the step otherwise): more rows than captured, a
         table wider than ``max_model_len`` allows, or a plan of some window kept no node (the flat
-        graph runs it). ``ids`` [B] int64 on the device: the input ids of a step run ahead."""
+        graph runs it). ``ids`` [B] int64 on the device: the input ids of a step run ahead.
+        ``mark``: called once the step is planned, just before its graph runs (profiling), or None."""
         b = len(batch.seqs)
         if b > self.max_size or batch.block_tables.shape[1] > self.width:
             return None
@@ -63,6 +64,8 @@ class CascadeGraphs:
         if any(p.is_flat for p in plans.values()):
             return None
         key = tuple((w, p.launch_key()) for w, p in plans.items())
+        if mark is not None:
+            mark()
         graphs = self.graphs.setdefault(size, {})
         g = graphs.get(key)
         if g is None:

@@ -252,7 +252,7 @@ class LLM:
         threads = _serial_cpu_step(self.device, batch.num_tokens)
         try:
             self.cache.copy_blocks(batch.block_copies)
-            kind, logits = self._forward(batch, events is not None, None if prev is None else prev.tokens)  # [R, V]
+            kind, logits = self._forward(batch, events, None if prev is None else prev.tokens)  # [R, V]
             with torch.inference_mode():
                 rows, fork = self.samples.rows(batch)
                 if fork is not None:
@@ -318,26 +318,30 @@ class LLM:
         stats.preemptions = sched.num_preemptions - self._preemptions_before
         return done
 
-    def _forward(self, batch, timed: bool, ids: torch.Tensor | None) -> tuple[str, torch.Tensor]:
+    def _forward(self, batch, events, ids: torch.Tensor | None) -> tuple[str, torch.Tensor]:
         """The model on one step -> (how attention ran: DECODE, CASCADE, PREFILL or GRAPH, logits [R, V]).
         On a GPU decode steps replay a CUDA graph: flat ones (:mod:`.graphs`), and cascade ones where
         their rows share blocks and the cascade pays (:mod:`.cascade_graphs`); the rest run eagerly.
         ``ids`` [B] int64 on the device: the input ids of a decode-only step run ahead (its batch
-        holds placeholders), or None. ``timed``: note each layer's attention time (eager steps)."""
+        holds placeholders), or None. ``events``: (start, end) CUDA events (profiling: start is
+        recorded once the step is planned, just before its model runs; each layer's attention is
+        timed in eager steps), or None."""
         self._attend_events = None
+        mark = None if events is None else events[0].record
         if not batch.num_prefill_tokens and self.graphs is not None:
             if self.builder.wants_cascade(batch) and self.choice.cascade(batch):
-                logits = self.cascades.run(batch, ids)  # (None: no node pays, or too large for a graph)
+                logits = self.cascades.run(batch, ids, mark)  # (None: no node pays, or too large for a graph)
                 if logits is not None:
                     return CASCADE, logits
-            logits = self.graphs.run(batch, ids)
+            logits = self.graphs.run(batch, ids, mark)
             if logits is not None:
                 return GRAPH, logits
         step = self.builder.build(batch)
         if ids is not None:
             step.input_ids[0, :ids.numel()].copy_(ids)
-        if timed and self.device.type == "cuda":
+        if events is not None:
             step.attend_events = self._attend_events = []
+            mark()
         with torch.inference_mode():
             logits = self.forward(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
                                 logits_to_keep=step.logits_indices, paged_step=step).logits[0]
@@ -395,12 +399,11 @@ def _serial_cpu_step(device: torch.device, num_tokens: int) -> int:
 
 
 def _events(device: torch.device):
-    """(start, end) CUDA events with start recorded now, or None off the GPU."""
+    """(start, end) CUDA events (recorded by the step: start just before its model runs, end after
+    its draw), or None off the GPU."""
     if device.type != "cuda":
         return None
-    ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-    ev[0].record()
-    return ev
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
 def _progress(total: int, enabled: bool):

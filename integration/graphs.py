@@ -119,12 +119,15 @@ class _Graph:
         self.graph, self.logits = capture(run, pool, dev)  # logits [size, V]
         self.replay = self.graph.replay
 
-    def run(self, batch, ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, batch, ids: torch.Tensor | None = None, mark=None) -> torch.Tensor:
         """Replays the step for ``batch`` (decode-only, at most ``size`` rows) -> logits [B, V].
-        ``ids`` [B] on the device: input ids that replace ``batch.input_ids`` (a step run ahead)."""
+        ``ids`` [B] on the device: input ids that replace ``batch.input_ids`` (a step run ahead).
+        ``mark``: called just before the replay (profiling: the step's start event), or None."""
         self.inputs.fill(batch, ids)
         for plan in self.plans.values():
             plan.update(self.inputs.host[4])
+        if mark is not None:
+            mark()
         with torch.inference_mode():
             self.replay()
         return self.logits[:len(batch.seqs)]
@@ -143,14 +146,14 @@ class DecodeGraphs:
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
 
-    def run(self, batch, ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    def run(self, batch, ids: torch.Tensor | None = None, mark=None) -> torch.Tensor | None:
         """Logits [B, V] of a decode-only step, or None when it cannot replay (the caller runs it
-        eagerly): more rows than captured, or a table wider than ``max_model_len`` allows. ``ids``:
-        as in ``_Graph.run``."""
+        eagerly): more rows than captured, or a table wider than ``max_model_len`` allows. ``ids``,
+        ``mark``: as in ``_Graph.run``."""
         b = len(batch.seqs)
         if b > self.max_size or batch.block_tables.shape[1] > self.width:
             return None
-        return self.graph(padded_size(b)).run(batch, ids)
+        return self.graph(padded_size(b)).run(batch, ids, mark)
 
     def graph(self, size: int) -> _Graph:
         """The step of ``size`` rows (a padded size), captured now if it was not yet."""

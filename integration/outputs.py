@@ -75,8 +75,9 @@ class RunStats:
     preemptions: int = 0
     step_log: list[dict] = field(default_factory=list)  # with LLM(profile=True): per step kind, rows,
     # tokens, host_s (until every kernel was queued), total_s (until the tokens were on the host), gpu_s
-    # (GPU clock between events recorded before its first launch and after its last), idle_s (from the last
-    # step's end to this one's start: time the GPU had nothing of the engine's to run; None first)
+    # (GPU clock from just before its model ran - once planned - to after its draw), idle_s (from the last
+    # step's end to this one's start: the GPU waiting for the host, the step's input copies included; None
+    # first)
 
     @property
     def tokens_per_s(self) -> float:

@@ -204,11 +204,32 @@ def test_a_model_that_does_not_compile_runs_uncompiled(caplog):
 @pytest.mark.kernel
 @pytest.mark.skipif(not INTERPRET, reason="replays through earlier plans need the kernels, which read the plans' "
                                           "buffers (the torch path reads host copies): the TRITON_INTERPRET=1 pass")
-def test_cascade_graph_buffers_and_padding_on_the_cpu():
+def test_cascade_graph_buffers_and_padding_on_the_cpu(monkeypatch):
     """The cascade CUDA-graph path run eagerly (capture=False): static inputs with padding rows, plans
     in arenas, and every step after the first of a launch key run through the first step's plan
-    objects (as its graph would): the eager cascade's tokens (6 rows padded to 8, then 3 to 4)."""
+    objects (as its graph would): the eager cascade's tokens (6 rows padded to 8, then 3 to 4). With
+    stand-ins for CUDA events, every step (prefill, cascade graph, flat graph) records its start
+    once, after its planning, and its end after it."""
+    from paged_backend.integration import engine as engine_mod
     from paged_backend.integration.cascade_graphs import CascadeGraphs
+    order = []
+
+    class Event:  # records where in the run it was recorded; elapsed_time = steps between
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self, stream=None):
+            assert self.at is None, "an event recorded twice"
+            self.at = len(order)
+            order.append(self)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return float(end.at - self.at)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(engine_mod, "_events", lambda device: (Event(), Event()))
     from paged_backend.integration.graphs import DecodeGraphs, PathChoice
     model = tiny("qwen3", seed=1)
     prompts = [{"prompt_token_ids": list(range(3, 3 + 50))}, {"prompt_token_ids": list(range(7, 7 + 35))}]
@@ -223,9 +244,12 @@ def test_cascade_graph_buffers_and_padding_on_the_cpu():
     llm.choice.PROBES, llm.choice.bandwidth = 10 ** 9, 1e12  # every shared step a cascade; no device copy timed
     got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    steps = [s["kind"] for s in llm.last_stats.step_log].count("cascade")
+    log = llm.last_stats.step_log
+    steps = [s["kind"] for s in log].count("cascade")
     assert steps == 13 and sorted(llm.cascades.graphs) == [4, 8] and llm.cascades.captures < steps
     assert llm.last_stats.graph_captures == llm.cascades.captures
+    assert {"prefill", "cascade"} <= {s["kind"] for s in log}
+    assert all(s["gpu_s"] > 0 for s in log) and log[0]["idle_s"] is None and all(s["idle_s"] > 0 for s in log[1:])
 
 
 @pytest.mark.gpu
