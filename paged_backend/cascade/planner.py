@@ -1,9 +1,10 @@
 """Cascade plans for decode step after decode step, each made from the last step's forest where it
 carries over: what the engine's step builder and the vLLM plug-in's metadata builder both do.
 
-Finding the forest (the blocks rows share) is most of a plan's host time (64 rows sharing 8K tokens,
-2-core CPU: 338 us a plan from scratch, 139 us carried over); between decode steps the forest stays
-while the same requests run, their tails one token longer.
+Finding the forest (the blocks rows share) is most of a plan's host time (the vLLM builder's step of
+64 rows sharing 8K tokens on a 2-core CPU: ~300 us found anew, ~130 us carried over,
+benchmarks/results/sweeps/vllm_build_carried_cpu.txt); between decode steps the forest stays while
+the same requests run, their tails one token longer.
 Rows are named by ``ids`` (an engine's sequence ids; the vLLM builder's rows, by place): the same ids
 in the same order reuse the forest whole (``forest=``), a subset of them - requests finished, none
 joined - restricts it (``forest_rows=``), anything else is planned from scratch. A forest is only
@@ -63,7 +64,7 @@ class CascadePlanner:
     def _carried_rows(self, ids: np.ndarray):
         """None (the last step's rows, in order), the last step's row of each of ``ids`` (a subset),
         or False (plan anew)."""
-        if not self._last or set(self._last) != set(self.windows):
+        if not self._last:
             return False
         if np.array_equal(ids, self._last_ids):
             return None
