@@ -23,7 +23,7 @@ import torch
 
 from paged_backend.cascade import CascadeArena
 
-from .graphs import StaticInputs, capture, padded_size
+from .graphs import StaticInputs, capture, padded_size, step_forward, step_outputs
 from .step import CASCADE, Step
 
 # graphs kept per padded size (each holds its launch key's kernels; the oldest is dropped first)
@@ -33,10 +33,12 @@ MAX_GRAPHS_PER_SIZE = 8
 class CascadeGraphs:
     """The captured cascade decode steps of one engine, made on first use of each (size, launch key).
 
-    ``builder``: the engine's StepBuilder (it plans, carrying forests over between steps)."""
+    ``builder``: the engine's StepBuilder (it plans, carrying forests over between steps). ``draw``:
+    as ``DecodeGraphs``' (``Sampler.draw``, run in each graph after the model), or None."""
 
-    def __init__(self, model, cache, builder, *, max_num_seqs: int, max_model_len: int, capture: bool = True):
-        self.model, self.cache, self.builder, self.capture = model, cache, builder, capture
+    def __init__(self, model, cache, builder, *, max_num_seqs: int, max_model_len: int, capture: bool = True,
+                 draw=None):
+        self.model, self.cache, self.builder, self.capture, self.draw = model, cache, builder, capture, draw
         self.max_size = padded_size(max_num_seqs)
         self.width = -(-max_model_len // cache.spec.block_size)
         self.max_model_len = max_model_len
@@ -46,12 +48,14 @@ class CascadeGraphs:
         self.captures = 0  # graphs captured so far
         self.pool = None
 
-    def run(self, batch, ids: torch.Tensor | None = None, mark=None) -> torch.Tensor | None:
-        """Logits [B, V] of a decode-only ``batch`` whose rows share blocks, run as a cascade in a
-        graph; None where it cannot (the caller runs the step otherwise): more rows than captured, a
-        table wider than ``max_model_len`` allows, or a plan of some window kept no node (the flat
-        graph runs it). ``ids`` [B] int64 on the device: the input ids of a step run ahead.
-        ``mark``: called once the step is planned, just before its graph runs (profiling), or None."""
+    def run(self, batch, ids: torch.Tensor | None = None, mark=None, draw=None):
+        """(logits [B, V], drawn (tokens [B], logprobs [B]) or None) of a decode-only ``batch`` whose
+        rows share blocks, run as a cascade in a graph; None where it cannot (the caller runs the step
+        otherwise): more rows than captured, a table wider than ``max_model_len`` allows, or a plan of
+        some window kept no node (the flat graph runs it). ``ids`` [B] int64 on the device: the input
+        ids of a step run ahead. ``mark``: called once the step is planned, just before its graph
+        runs (profiling), or None. ``draw``: the rows' (temperatures, keys) for the graph's draw
+        (``StaticInputs.fill``), or None."""
         b = len(batch.seqs)
         if b > self.max_size or batch.block_tables.shape[1] > self.width:
             return None
@@ -59,7 +63,8 @@ class CascadeGraphs:
         inp = self.inputs.get(size)
         if inp is None:
             inp = self.inputs[size] = StaticInputs(size, self.width, self.cache.spec.device)
-        inp.fill(batch, ids)
+        draw = draw if self.draw is not None else None
+        inp.fill(batch, ids, draw)
         plans = self._plan(batch, inp)
         if any(p.is_flat for p in plans.values()):
             return None
@@ -74,19 +79,19 @@ class CascadeGraphs:
             if self.pool is None and self.capture:
                 self.pool = torch.cuda.graph_pool_handle()
             g = graphs[key] = _CascadeGraph(self.model, self.cache, inp, plans, self.max_model_len, self.pool,
-                                            self.capture)
+                                            self.capture, self.draw)
             self.captures += 1
         else:
             with torch.inference_mode():
                 g.replay()
-        return g.logits[:b]
+        return step_outputs(g.out, b, draw is not None)
 
     def _plan(self, batch, inp: StaticInputs) -> dict:
         """The step's cascade plans on the padded rows, in the size's arenas (grown where a plan does
         not fit: the size's graphs are dropped, they read the old arena)."""
         b, size = len(batch.seqs), inp.size
-        table = inp.host[3][:, :batch.block_tables.shape[1]].copy()  # [size, cols] (the plan may keep it)
-        lens = inp.host[4].astype(np.int64)
+        table = inp.host["table"][:, :batch.block_tables.shape[1]].copy()  # [size, cols] (the plan may keep it)
+        lens = inp.host["lens"].astype(np.int64)
         ids = np.concatenate([batch.seq_ids, -1 - np.arange(size - b)])  # (padding rows: ids of their own)
         arenas = {w: self.arenas.get((size, w)) for w in self.builder.windows}
         plans = self.builder.cascade_plans(table, lens, ids, inp.table, arenas)
@@ -101,24 +106,24 @@ class CascadeGraphs:
 
 
 class _CascadeGraph:
-    """The forward of one padded size and launch key, captured with the step that first had them
-    (and run for it: ``logits``). Without ``capture_it`` each replay runs the forward eagerly with
-    the capture-time plans, whose buffers (the arenas) hold the step's plans as in a replay: under
-    the Triton interpreter this tests the plumbing on the CPU."""
+    """The forward of one padded size and launch key (and ``draw``: as in ``graphs.step_forward``),
+    captured with the step that first had them (and run for it: ``out``). Without ``capture_it`` each
+    replay runs the forward eagerly with the capture-time plans, whose buffers (the arenas) hold the
+    step's plans as in a replay: under the Triton interpreter this tests the plumbing on the CPU."""
 
-    def __init__(self, model, cache, inp: StaticInputs, plans: dict, max_seq_len: int, pool, capture_it: bool):
+    def __init__(self, model, cache, inp: StaticInputs, plans: dict, max_seq_len: int, pool, capture_it: bool,
+                 draw=None):
         rows = torch.arange(inp.size, device=inp.ids.device)
         # (kept: the graph reads every tensor the step holds - rows, the plans' buffers - at their addresses)
         self.step = step = Step(cache, inp.ids, inp.pos, inp.slots, inp.table, inp.lens, None, rows, CASCADE,
                                 max_seq_len, plans=plans)
-        run = lambda: model(input_ids=inp.ids, position_ids=inp.pos, use_cache=False,  # noqa: E731
-                            logits_to_keep=rows, paged_step=step).logits[0]
+        run = step_forward(model, inp, rows, step, draw)
         if not capture_it:
-            self.replay = lambda: setattr(self, "logits", run())
+            self.replay = lambda: setattr(self, "out", run())
             with torch.inference_mode():
                 self.replay()
             return
         # one warm-up: the step's own inputs (its KV writes are the replay's), kernels compiled
-        graph, self.logits = capture(run, pool, inp.ids.device, warmups=1)  # logits [size, V]
+        graph, self.out = capture(run, pool, inp.ids.device, warmups=1)  # (logits [size, V], ...)
         self.replay = graph.replay
         graph.replay()

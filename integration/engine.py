@@ -32,7 +32,7 @@ from .launched import Launched
 from .kv_cache import KVCacheSpec, PagedKVCache, blocks_for
 from .outputs import RequestOutput, RunStats
 from .requests import Request, RequestMaker, chat_prompts
-from .sampler import Sampler
+from .sampler import Sampled, Sampler
 from .sample_book import SampleBook
 from .step import CASCADE, StepBuilder
 
@@ -123,9 +123,9 @@ class LLM:
         if not enforce_eager and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self.forward, self.cache, num_q_heads=self.info.num_q_heads,
                                        max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-                                       windows=self.info.windows)
+                                       windows=self.info.windows, draw=self.sampler.draw)
             self.cascades = CascadeGraphs(self.forward, self.cache, self.builder, max_num_seqs=max_num_seqs,
-                                          max_model_len=self.max_model_len)
+                                          max_model_len=self.max_model_len, draw=self.sampler.draw)
             self.choice = PathChoice(self.model, spec.bytes_per_block // block_size, self.device)
             self._capture(max_num_seqs)
         self.requests = RequestMaker(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
@@ -252,13 +252,15 @@ class LLM:
         threads = _serial_cpu_step(self.device, batch.num_tokens)
         try:
             self.cache.copy_blocks(batch.block_copies)
-            kind, logits = self._forward(batch, events, None if prev is None else prev.tokens)  # [R, V]
+            rows, fork = self.samples.rows(batch)
+            # rows that draw with a temperature alone are drawn in a decode step's graph
+            draw = (rows.temperature, rows.key) if fork is None and self.sampler.plain(rows) else None
+            kind, logits, drawn = self._forward(batch, events, None if prev is None else prev.tokens, draw)
             with torch.inference_mode():
-                rows, fork = self.samples.rows(batch)
                 if fork is not None:
                     logits = logits.repeat_interleave(torch.from_numpy(fork).to(logits.device), dim=0,
                                                       output_size=int(fork.sum()))
-                sampled = self.sampler(logits, rows)
+                sampled = Sampled(*drawn) if drawn is not None else self.sampler(logits, rows)
                 t_issued = time.perf_counter()
                 if events:
                     events[1].record()
@@ -318,8 +320,10 @@ class LLM:
         stats.preemptions = sched.num_preemptions - self._preemptions_before
         return done
 
-    def _forward(self, batch, events, ids: torch.Tensor | None) -> tuple[str, torch.Tensor]:
-        """The model on one step -> (how attention ran: DECODE, CASCADE, PREFILL or GRAPH, logits [R, V]).
+    def _forward(self, batch, events, ids: torch.Tensor | None, draw=None):
+        """The model on one step -> (how attention ran: DECODE, CASCADE, PREFILL or GRAPH, logits [R, V],
+        the rows' (tokens, logprobs) where a graph drew them, else None). ``draw``: the rows'
+        (temperatures, keys) where they draw with a temperature alone (the graphs draw them), or None.
         On a GPU decode steps replay a CUDA graph: flat ones (:mod:`.graphs`), and cascade ones where
         their rows share blocks and the cascade pays (:mod:`.cascade_graphs`); the rest run eagerly.
         ``ids`` [B] int64 on the device: the input ids of a decode-only step run ahead (its batch
@@ -330,12 +334,12 @@ class LLM:
         mark = None if events is None else events[0].record
         if not batch.num_prefill_tokens and self.graphs is not None:
             if self.builder.wants_cascade(batch) and self.choice.cascade(batch):
-                logits = self.cascades.run(batch, ids, mark)  # (None: no node pays, or too large for a graph)
-                if logits is not None:
-                    return CASCADE, logits
-            logits = self.graphs.run(batch, ids, mark)
-            if logits is not None:
-                return GRAPH, logits
+                out = self.cascades.run(batch, ids, mark, draw)  # (None: no node pays, or too large for a graph)
+                if out is not None:
+                    return CASCADE, *out
+            out = self.graphs.run(batch, ids, mark, draw)
+            if out is not None:
+                return GRAPH, *out
         step = self.builder.build(batch)
         if ids is not None:
             step.input_ids[0, :ids.numel()].copy_(ids)
@@ -345,7 +349,7 @@ class LLM:
         with torch.inference_mode():
             logits = self.forward(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
                                 logits_to_keep=step.logits_indices, paged_step=step).logits[0]
-        return CASCADE if step.is_cascade else step.kind, logits
+        return CASCADE if step.is_cascade else step.kind, logits, None
 
     def _capture(self, max_num_seqs: int) -> None:
         """Captures the flat decode steps of every padded batch size now, so that no user's step pays

@@ -8,6 +8,12 @@ device buffers; each step copies its metadata into them (one host-to-device copy
 plan's buffers with ``plan.update`` and replays. Padding rows have length 0 (attention gives 0),
 slot -1 (nothing is written) and token 0; their logits are dropped.
 
+A graph also draws the step's tokens (``draw``: ``Sampler.draw``, the one-pass Gumbel draw of rows
+with a temperature alone) from temperatures and noise keys that come up in the same copy: a step
+whose rows all draw so (the default sampling settings) calls no sampler from the host and uploads
+no keys of its own (H200, SmolLM2 shape: host 1.0-1.14 -> 0.79 ms a step). Other steps (greedy
+rows, filters, log-probabilities) ignore the graph's draw and run the sampler on its logits.
+
 Cascade steps replay graphs of their own, whose plans live in fixed buffers (:mod:`.cascade_graphs`).
 So on a GPU a decode step whose samples share a prompt runs either flat (reading the shared KV once
 per sample) or as a cascade (reading it once, with a plan made on the host each step):
@@ -43,36 +49,45 @@ def padded_sizes(max_num_seqs: int) -> list[int]:
 class StaticInputs:
     """A decode step's inputs padded to ``size`` rows, in one device buffer filled by one copy (the
     fixed addresses a CUDA graph reads): ``ids``, ``pos`` [1, size] int64, ``slots`` [size] int64,
-    ``table`` [size, width] int32, ``lens`` [size] int32. Padding rows: token 0 at position 0, slot
-    -1 (nothing is written), length 0 (attention gives 0). ``host``: the host arrays last copied."""
+    ``keys`` [size] int64 (the draw's noise keys), ``table`` [size, width] int32, ``lens`` [size]
+    int32, ``temp`` [size] float32 (the draw's temperatures). Padding rows: token 0 at position 0,
+    slot -1 (nothing is written), length 0 (attention gives 0), key 0 at temperature 1 (a draw whose
+    token is dropped). ``host``: {name: the host array last copied}."""
 
     def __init__(self, size: int, width: int, device: torch.device):
         self.size, self.width = size, width
-        # int64 parts first (aligned views); the padding values from the start: a warm-up writes no KV
-        self.host = [np.zeros((1, size), np.int64), np.zeros((1, size), np.int64), np.full(size, -1, np.int64),
-                     np.zeros((size, width), np.int32), np.zeros(size, np.int32)]
-        self.buffer = torch.from_numpy(np.concatenate([a.reshape(-1).view(np.uint8) for a in self.host])).to(device)
-        views, at = [], 0
-        for a in self.host:
-            views.append(self.buffer[at:at + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape))
+        # int64 parts first, then int32 and float32 ones (aligned views); the padding values from the
+        # start: a warm-up writes no KV
+        self.host = dict(ids=np.zeros((1, size), np.int64), pos=np.zeros((1, size), np.int64),
+                         slots=np.full(size, -1, np.int64), keys=np.zeros(size, np.int64),
+                         table=np.zeros((size, width), np.int32), lens=np.zeros(size, np.int32),
+                         temp=np.ones(size, np.float32))
+        self.buffer = torch.from_numpy(np.concatenate([a.reshape(-1).view(np.uint8) for a in self.host.values()]))
+        self.buffer = self.buffer.to(device)
+        at = 0
+        for name, a in self.host.items():
+            setattr(self, name, self.buffer[at:at + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape))
             at += a.nbytes
-        self.ids, self.pos, self.slots, self.table, self.lens = views
 
-    def fill(self, batch, ids: torch.Tensor | None = None) -> None:
+    def fill(self, batch, ids: torch.Tensor | None = None, draw=None) -> None:
         """Copies ``batch`` (decode-only, at most ``size`` rows) in, the rest padding. ``ids`` [B] on
-        the device: input ids that replace ``batch.input_ids`` (a step run ahead)."""
+        the device: input ids that replace ``batch.input_ids`` (a step run ahead). ``draw``: the
+        rows' ``(temperatures [B] float32, noise keys [B])`` for a draw in the graph, or None (the
+        padding's values: the graph's draw is not used)."""
         b = len(batch.seqs)
-        host_ids, pos, slots, table, lens = self.host
-        host_ids[0, :b], host_ids[0, b:] = batch.input_ids, 0
-        pos[0, :b], pos[0, b:] = batch.positions, 0
-        slots[:b], slots[b:] = batch.slot_mapping, -1
+        h = self.host
+        h["ids"][0, :b], h["ids"][0, b:] = batch.input_ids, 0
+        h["pos"][0, :b], h["pos"][0, b:] = batch.positions, 0
+        h["slots"][:b], h["slots"][b:] = batch.slot_mapping, -1
         cols = batch.block_tables.shape[1]
-        table[:b, :cols], table[:b, cols:], table[b:] = batch.block_tables, 0, 0
-        lens[:b], lens[b:] = batch.seq_lens, 0
+        h["table"][:b, :cols], h["table"][:b, cols:], h["table"][b:] = batch.block_tables, 0, 0
+        h["lens"][:b], h["lens"][b:] = batch.seq_lens, 0
+        h["temp"][:b], h["keys"][:b] = (1.0, 0) if draw is None else draw
+        h["temp"][b:], h["keys"][b:] = 1.0, 0
         # a fresh pinned buffer (torch's pinned cache gives it out again once copied): the host may
         # fill the next step's while this copy waits in the stream
         src = torch.empty(self.buffer.numel(), dtype=torch.uint8, pin_memory=self.buffer.is_cuda)
-        np.concatenate([a.reshape(-1).view(np.uint8) for a in self.host], out=src.numpy())
+        np.concatenate([a.reshape(-1).view(np.uint8) for a in h.values()], out=src.numpy())
         self.buffer.copy_(src, non_blocking=True)
         if ids is not None:
             self.ids[0, :b].copy_(ids)
@@ -94,11 +109,31 @@ def capture(run, pool, device: torch.device, warmups: int = 2):
     return graph, out
 
 
+def step_forward(model, inp: StaticInputs, rows: torch.Tensor, step, draw=None):
+    """The forward a decode step's graph holds, on ``inp``'s buffers (``rows``: ``arange(size)``, the
+    rows whose logits it keeps) -> a callable giving ``(logits [size, V],)`` or, with ``draw``
+    (``Sampler.draw``), ``(logits, tokens [size], logprobs [size])``: every row drawn in the same
+    graph at its temperature and key in ``inp`` (a step whose rows draw otherwise ignores them)."""
+    def run():
+        logits = model(input_ids=inp.ids, position_ids=inp.pos, use_cache=False, logits_to_keep=rows,
+                       paged_step=step).logits[0]
+        return (logits,) if draw is None else (logits, *draw(logits, inp.temp, inp.keys))
+    return run
+
+
+def step_outputs(out: tuple, b: int, drawn: bool):
+    """A graph's outputs (:func:`step_forward`) for a batch of ``b`` rows -> (logits [b, V], (tokens [b],
+    logprobs [b]) where the graph drew them for the batch (``drawn``), else None). The tokens are a
+    copy: they outlive the step (the next one's input ids), and a view would keep the graph's memory
+    pool in use after the graph is dropped (torch then fails the next capture into that pool)."""
+    return out[0][:b], ((out[1][:b].clone(), out[2][:b]) if drawn and len(out) == 3 else None)
+
+
 class _Graph:
-    """One captured decode step of ``size`` rows (static inputs, plans, graph, output logits)."""
+    """One captured decode step of ``size`` rows (static inputs, plans, graph, its outputs ``out``)."""
 
     def __init__(self, model, cache, size: int, width: int, num_q_heads: int, max_seq_len: int, pool,
-                 capture_it: bool = True, windows=(None,)):
+                 capture_it: bool = True, windows=(None,), draw=None):
         spec, dev = cache.spec, cache.spec.device
         self.size, self.width = size, width
         self.inputs = inp = StaticInputs(size, width, dev)
@@ -108,52 +143,56 @@ class _Graph:
         rows = torch.arange(size, device=dev)
         self.step = Step(cache, inp.ids, inp.pos, inp.slots, inp.table, inp.lens, None, rows, DECODE, max_seq_len,
                          plans=self.plans)
-        run = lambda: model(input_ids=inp.ids, position_ids=inp.pos, use_cache=False,  # noqa: E731
-                            logits_to_keep=rows, paged_step=self.step).logits[0]
+        run = step_forward(model, inp, rows, self.step, draw)
         self.graph = None
         if not capture_it:  # the same buffers, plan and warm-up, run eagerly (tests the plumbing on the CPU)
             with torch.inference_mode():
                 run()
-            self.replay = lambda: setattr(self, "logits", run())
+            self.replay = lambda: setattr(self, "out", run())
             return
-        self.graph, self.logits = capture(run, pool, dev)  # logits [size, V]
+        self.graph, self.out = capture(run, pool, dev)  # (logits [size, V], ...)
         self.replay = self.graph.replay
 
-    def run(self, batch, ids: torch.Tensor | None = None, mark=None) -> torch.Tensor:
-        """Replays the step for ``batch`` (decode-only, at most ``size`` rows) -> logits [B, V].
-        ``ids`` [B] on the device: input ids that replace ``batch.input_ids`` (a step run ahead).
-        ``mark``: called just before the replay (profiling: the step's start event), or None."""
-        self.inputs.fill(batch, ids)
+    def run(self, batch, ids: torch.Tensor | None = None, mark=None, draw=None):
+        """Replays the step for ``batch`` (decode-only, at most ``size`` rows) -> (logits [B, V], the
+        drawn (tokens [B], logprobs [B]) or None). ``ids`` [B] on the device: input ids that replace
+        ``batch.input_ids`` (a step run ahead). ``mark``: called just before the replay (profiling:
+        the step's start event), or None. ``draw``: the rows' (temperatures, keys) where the graph is
+        to draw them (:meth:`StaticInputs.fill`), or None."""
+        self.inputs.fill(batch, ids, draw)
         for plan in self.plans.values():
-            plan.update(self.inputs.host[4])
+            plan.update(self.inputs.host["lens"])
         if mark is not None:
             mark()
         with torch.inference_mode():
             self.replay()
-        return self.logits[:len(batch.seqs)]
+        return step_outputs(self.out, len(batch.seqs), draw is not None)
 
 
 class DecodeGraphs:
-    """The captured decode steps of one engine, made on first use of each padded size."""
+    """The captured decode steps of one engine, made on first use of each padded size. ``draw``:
+    ``Sampler.draw``, which each graph runs after the model (the step's draw, when its rows draw
+    with a temperature alone), or None."""
 
     def __init__(self, model, cache, *, num_q_heads: int, max_num_seqs: int, max_model_len: int,
-                 capture: bool = True, windows=(None,)):
+                 capture: bool = True, windows=(None,), draw=None):
         self.model, self.cache, self.num_q_heads, self.capture = model, cache, num_q_heads, capture
         self.windows = windows  # one decode plan per sliding window (None: full attention)
+        self.draw = draw
         self.max_size = padded_size(max_num_seqs)
         self.width = -(-max_model_len // cache.spec.block_size)
         self.max_model_len = max_model_len
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
 
-    def run(self, batch, ids: torch.Tensor | None = None, mark=None) -> torch.Tensor | None:
-        """Logits [B, V] of a decode-only step, or None when it cannot replay (the caller runs it
-        eagerly): more rows than captured, or a table wider than ``max_model_len`` allows. ``ids``,
-        ``mark``: as in ``_Graph.run``."""
+    def run(self, batch, ids: torch.Tensor | None = None, mark=None, draw=None):
+        """(logits [B, V], drawn or None) of a decode-only step, or None when it cannot replay (the
+        caller runs it eagerly): more rows than captured, or a table wider than ``max_model_len``
+        allows. ``ids``, ``mark``, ``draw``: as in ``_Graph.run``."""
         b = len(batch.seqs)
         if b > self.max_size or batch.block_tables.shape[1] > self.width:
             return None
-        return self.graph(padded_size(b)).run(batch, ids, mark)
+        return self.graph(padded_size(b)).run(batch, ids, mark, draw if self.draw is not None else None)
 
     def graph(self, size: int) -> _Graph:
         """The step of ``size`` rows (a padded size), captured now if it was not yet."""
@@ -162,7 +201,7 @@ class DecodeGraphs:
             if self.pool is None and self.capture:
                 self.pool = torch.cuda.graph_pool_handle()
             g = self.graphs[size] = _Graph(self.model, self.cache, size, self.width, self.num_q_heads,
-                                           self.max_model_len, self.pool, self.capture, self.windows)
+                                           self.max_model_len, self.pool, self.capture, self.windows, self.draw)
         return g
 
 

@@ -84,9 +84,8 @@ class Sampler:
         f = self._filters(rows, v, dev)
         # (an asynchronous copy: a pageable one waits for the forward)
         key = None if f.all_greedy else to_device([rows.key.astype(np.int64)], dev)[0]
-        if not (f.any_greedy or f.any_min_p or f.any_k or f.any_p or rows.num_logprobs):
-            # temperature only (the common case): the draw and its log-probability in one pass
-            return Sampled(*gumbel_sample(logits, f.temp, key, self._vocab_hash))
+        if _plain(f, rows):  # temperature only (the common case): the draw and its log-probability in one pass
+            return Sampled(*self.draw(logits, f.temp, key))
         logits = logits.float()
         raw_lse = torch.logsumexp(logits, dim=-1)  # [S]
         tokens = torch.argmax(logits, dim=-1) if f.any_greedy else None
@@ -105,6 +104,17 @@ class Sampler:
             top, ids = torch.topk(logits, min(rows.num_logprobs, v), dim=-1)
             out.top_ids, out.top_logprobs = ids, top - raw_lse[:, None]
         return out
+
+    def plain(self, rows: SampleRows) -> bool:
+        """Whether every row draws with its temperature alone (no greedy row, filter or log-probabilities):
+        the draw :meth:`draw` makes, which the engine's decode graphs hold. ``rows`` [S] as ``__call__``'s."""
+        return _plain(self._filters(rows, self.vocab_size, self.device), rows)
+
+    def draw(self, logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor):
+        """The draw of rows with a temperature alone: logits [S, V], temperature [S] fp32 (> 0), keys
+        [S] int64 (``SampleRows.key``) on the device -> (tokens [S] int64, logprobs [S] fp32), the
+        tokens and log-probabilities ``__call__`` gives such rows (the same kernel and inputs)."""
+        return gumbel_sample(logits, temperature, keys, self._vocab_hash)
 
     def _filters(self, rows: SampleRows, v: int, dev) -> _Filters:
         """The rows' settings on the device, made once for the settings arrays of a batch: the engine
@@ -141,6 +151,10 @@ class _Filters:
     min_p: torch.Tensor
     top_p: torch.Tensor
     greedy: torch.Tensor
+
+
+def _plain(f: _Filters, rows: SampleRows) -> bool:
+    return not (f.any_greedy or f.any_min_p or f.any_k or f.any_p or rows.num_logprobs)
 
 
 def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

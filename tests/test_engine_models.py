@@ -3,9 +3,9 @@ tokens equal transformers' own generate() with SDPA on the same weights, for a b
 different lengths, forked samples and prefix-cache hits; models needing features the backend
 lacks are refused at load time with the feature named."""
 import copy
+import itertools
 
 import numpy as np
-
 import pytest
 import torch
 
@@ -112,6 +112,73 @@ def test_decode_graph_buffers_and_padding_on_the_cpu():
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
     assert sorted(llm.graphs.graphs) == [1, 2, 4, 8]
     assert [s["kind"] for s in llm.last_stats.step_log].count("graph") == 19
+
+
+def _samples(outs):
+    return [[(c.token_ids, c.cumulative_logprob) for c in o.outputs] for o in outs]
+
+
+@pytest.mark.kernel
+def test_graphs_draw_the_samplers_tokens_on_the_cpu(monkeypatch):
+    """Decode graphs (run eagerly, capture=False) that hold the step's draw: rows drawing with a
+    temperature alone take the graph's tokens - those of the same graphs with the sampler run after
+    them, log-probabilities bit for bit, and the eager engine's tokens (padding rows dropped) - and
+    the sampler runs only for the prefill steps; rows with a filter (top-p) are drawn by the sampler
+    after the graph, as before."""
+    from paged_backend.integration.graphs import DecodeGraphs
+    from paged_backend.integration.sampler import Sampler
+    model = tiny("llama", seed=3)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS + [[11, 12]]]
+    calls = []
+    call, plain = Sampler.__call__, Sampler.plain
+    monkeypatch.setattr(Sampler, "__call__", lambda self, logits, rows: calls.append(len(logits)) or
+                        call(self, logits, rows))
+    llm = LLM(model, device="cpu", num_blocks=64, profile=True)
+    llm.graphs = DecodeGraphs(llm.model, llm.cache, num_q_heads=llm.info.num_q_heads, max_num_seqs=8,
+                              max_model_len=llm.max_model_len, capture=False, draw=llm.sampler.draw)
+    for top_p in (1.0, 0.9):
+        params = [SamplingParams(temperature=0.8, top_p=top_p, seed=i, max_tokens=m)
+                  for i, m in enumerate((12, 20, 6, 9, 16))]
+        eager = LLM(model, device="cpu", num_blocks=64).generate(prompts, params, use_tqdm=False)
+        monkeypatch.setattr(Sampler, "plain", lambda self, rows: False)  # the graphs' draws unused
+        want = _samples(llm.generate(prompts, params, use_tqdm=False))
+        monkeypatch.setattr(Sampler, "plain", plain)
+        calls.clear()
+        got = _samples(llm.generate(prompts, params, use_tqdm=False))
+        assert got == want and [[t for t, _ in o] for o in got] == [[c.token_ids] for c in (o.outputs[0] for o in eager)]
+        kinds = [s["kind"] for s in llm.last_stats.step_log]
+        assert kinds.count("graph") == 19
+        assert len(calls) == (len(kinds) if top_p < 1 else len(kinds) - 19)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("path", ["flat", "cascade"])
+def test_gpu_graphs_draw_the_samplers_tokens(monkeypatch, path):
+    """Seeded samples (temperature alone) drawn inside the decode graphs, flat or cascade, are the
+    tokens and log-probabilities of the same graphs with the sampler run after them, bit for bit.
+    Cascade: one graph kept a size and a new launch key every step, so each step drops the graph
+    that drew the step before it, still in flight (its tokens must not hold the graphs' memory pool:
+    torch fails the next capture into a pool whose graphs are gone but whose memory is in use)."""
+    from paged_backend.cascade import CascadePlan
+    from paged_backend.integration import cascade_graphs
+    from paged_backend.integration.sampler import Sampler
+    monkeypatch.setattr(cascade_graphs, "MAX_GRAPHS_PER_SIZE", 1)
+    key, count = CascadePlan.launch_key, itertools.count()
+    monkeypatch.setattr(CascadePlan, "launch_key", lambda self: (*key(self), next(count)))
+    model = tiny("qwen3", seed=1)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + 50))}, {"prompt_token_ids": list(range(7, 7 + 35))}]
+    params = [SamplingParams(n=4, temperature=0.9, seed=s, max_tokens=m) for s, m in ((1, 14), (2, 6))]
+    kw = dict(device="cuda", dtype="bfloat16", num_blocks=96, max_num_seqs=8,
+              cascade=CascadeCost(0, 0, 0) if path == "cascade" else False)
+    llm = LLM(model, **kw)
+    if path == "cascade":
+        llm.choice.PROBES = 10 ** 9
+    got = _samples(llm.generate(prompts, params, use_tqdm=False))
+    if path == "cascade":
+        assert llm.last_stats.cascade_steps >= 10 and llm.cascades.captures >= llm.last_stats.cascade_steps
+    monkeypatch.setattr(Sampler, "plain", lambda self, rows: False)  # the graphs' draws unused
+    assert _samples(llm.generate(prompts, params, use_tqdm=False)) == got
 
 
 @pytest.mark.gpu
