@@ -108,6 +108,8 @@ class Sampler:
     def plain(self, rows: SampleRows) -> bool:
         """Whether every row draws with its temperature alone (no greedy row, filter or log-probabilities):
         the draw :meth:`draw` makes, which the engine's decode graphs hold. ``rows`` [S] as ``__call__``'s."""
+        if not rows.key.size:  # (a step of prefill chunks only: nothing drawn, no settings to upload)
+            return False
         return _plain(self._filters(rows, self.vocab_size, self.device), rows)
 
     def draw(self, logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor):

@@ -180,3 +180,23 @@ def test_a_row_depends_on_its_key_and_logits_only():
 def test_wrong_vocab_width_is_refused():
     with pytest.raises(ValueError, match="logits"):
         Sampler(10, "cpu")(torch.zeros(2, 11), rows(2))
+
+
+def test_plain_rows_and_their_draw_are_the_samplers():
+    """``plain``: rows that draw with a temperature alone (what the engine's decode graphs draw with
+    ``draw``); ``draw`` gives those rows the sampler's own tokens and log-probabilities. An empty
+    step is not plain and leaves the settings the sampler keeps on the device as they were."""
+    torch.manual_seed(4)
+    v = 300
+    logits = torch.randn(6, v)
+    sampler = Sampler(v, "cpu")
+    r = rows(6, [0.7, 1.3] * 3, keys=row_keys(np.arange(6), np.arange(6), np.full(6, 2)))
+    assert sampler.plain(r)
+    want = sampler(logits, r)
+    tokens, logprobs = sampler.draw(logits, torch.from_numpy(r.temperature), torch.from_numpy(r.key.astype(np.int64)))
+    assert torch.equal(tokens, want.tokens) and torch.equal(logprobs, want.logprobs)
+    for other in (dict(temperature=[0.7, 0.0] * 3), dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1),
+                  dict(num_logprobs=2)):
+        assert not sampler.plain(rows(6, **{"temperature": 1.0, **other}))
+    kept = sampler._settings
+    assert not sampler.plain(rows(0)) and sampler._settings is kept
