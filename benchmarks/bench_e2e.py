@@ -86,7 +86,7 @@ def kv_bytes_per_token(model) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2
 
 
-def run_ours(model, prompt, n, new, kwargs: dict, device) -> dict:
+def run_ours(model, prompt, n, new, kwargs: dict, device, sampling: dict) -> dict:
     kwargs = dict(kwargs)
     always = kwargs.pop("always_cascade", False)
     llm = LLM(model, device=device, dtype=torch.bfloat16, max_num_seqs=n, max_model_len=len(prompt) + new + 16,
@@ -97,14 +97,15 @@ def run_ours(model, prompt, n, new, kwargs: dict, device) -> dict:
     # timed run, so every kernel specialisation its growing lengths take is compiled (and every graph
     # captured) before the clock starts; the second starts from a fresh prompt again.
     other = [t - 1 for t in prompt]  # (prompt ids are >= 10)
-    llm.generate([{"prompt_token_ids": other}], SamplingParams(n=n, max_tokens=new, ignore_eos=True, seed=1),
-                 use_tqdm=False)
+    llm.generate([{"prompt_token_ids": other}], SamplingParams(n=n, max_tokens=new, ignore_eos=True, seed=1,
+                                                               **sampling), use_tqdm=False)
     llm.generate([{"prompt_token_ids": [t - 1 for t in other]}], SamplingParams(n=n, max_tokens=4, ignore_eos=True,
-                                                                               seed=2), use_tqdm=False)
+                                                                               seed=2, **sampling), use_tqdm=False)
     _reset(device)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=n, max_tokens=new, ignore_eos=True,
-                                                                     temperature=1.0, seed=0), use_tqdm=False)
+                                                                     temperature=1.0, seed=0, **sampling),
+                        use_tqdm=False)
     wall = time.perf_counter() - t0
     st = llm.last_stats
     assert sum(len(c.token_ids) for c in outs[0].outputs) == n * new
@@ -126,10 +127,11 @@ def run_ours(model, prompt, n, new, kwargs: dict, device) -> dict:
     return rec
 
 
-def run_hf_generate(model, prompt, n, new, device) -> dict:
+def run_hf_generate(model, prompt, n, new, device, sampling: dict) -> dict:
     model.set_attn_implementation("sdpa")
     ids = torch.tensor([prompt], device=device)
-    kw = dict(do_sample=True, num_return_sequences=n, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    kw = dict(do_sample=True, num_return_sequences=n, attention_mask=torch.ones_like(ids), pad_token_id=0,
+              **{k: v for k, v in sampling.items() if k in HF_SAMPLING})
     model.generate(ids[:, :256], max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
     _reset(device)
     t0 = time.perf_counter()
@@ -194,6 +196,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a tiny model and short run (smoke test)")
     p.add_argument("--out", help="results JSON (default benchmarks/results/<gpu>.json)")
     p.add_argument("--md", help="markdown (default benchmarks/results/<gpu>.md)")
+    p.add_argument("--sampling", default="", type=_sampling,
+                   help="settings besides temperature 1 for every engine, e.g. top_p=0.9,top_k=50 (top_p, top_k, "
+                        "min_p; logprobs: ours alone; hf_generate_batch: temperature alone)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--same-process", action="store_true", help="run every engine in this process")
     p.add_argument("--one", metavar="MODEL:ENGINE", help=argparse.SUPPRESS)  # (a child's run: prints its record)
@@ -240,16 +245,19 @@ def main(argv=None) -> int:
         C.free_memory()
     payload = {"when": C.now(), "gpu": C.gpu_name(), "copy_gbps": bw, "versions": C.versions(),
                "workload": dict(prompt_len=args.prompt_len, n=args.n, new=args.new, batch_new=args.batch_new,
-                                dtype="bf16"), "results": results}
+                                dtype="bf16", sampling=args.sampling), "results": results}
     table = C.md_table(["model", "engine", "tok/s", "decode tok/s", "prefill s", "decode step ms (floor)",
                         "attention / host ms", "GPU idle", "peak GiB"], rows)
     print(table)
     if not args.quick:  # one section per set of models, so models can run in processes of their own
         slug, name = C.gpu_slug(), f"e2e:{','.join(models)}:{args.prompt_len}x{args.n}x{args.new}"
+        said = ",".join(f"{k}={v}" for k, v in args.sampling.items())
+        name += f":{said}" if said else ""
         C.write_json(args.out or f"{C.ROOT}/benchmarks/results/{slug}.json", name, payload)
         C.write_md_section(args.md or f"{C.ROOT}/benchmarks/results/{slug}.md", name,
                            f"## End-to-end sampling: {', '.join(models)} ({C.gpu_name()}, {C.now()})\n\n"
-                           f"One {args.prompt_len}-token prompt, n = {args.n}, {args.new} new tokens each, bf16; "
+                           f"One {args.prompt_len}-token prompt, n = {args.n}, {args.new} new tokens each, bf16, "
+                           f"temperature 1{', ' + said if said else ''}; "
                            f"copy bandwidth {bw:.0f} GB/s. hf_generate_batch timed on {args.batch_new} new "
                            f"tokens.\n\n{table}\n")
     return 0
@@ -259,9 +267,9 @@ def run_engine(model, prompt, eng: str, args) -> dict:
     """One engine's record on ``model`` in this process ({"error": ...} where it failed)."""
     try:
         if eng in OURS:
-            return run_ours(model, prompt, args.n, args.new, OURS[eng], args.device)
+            return run_ours(model, prompt, args.n, args.new, OURS[eng], args.device, args.sampling)
         if eng == "hf_generate":
-            return run_hf_generate(model, prompt, args.n, args.new, args.device)
+            return run_hf_generate(model, prompt, args.n, args.new, args.device, args.sampling)
         return run_hf_generate_batch(model, prompt, args.n, args.batch_new, args.device)
     except Exception as e:  # noqa: BLE001 - a peer failing is a result, not the end of the run
         C.free_memory()
@@ -290,6 +298,25 @@ def _run_one(args) -> int:
     rec = run_engine(model, make_prompt(models[mname], args.prompt_len), eng, args)
     print(RECORD + json.dumps(rec), flush=True)
     return 0
+
+
+# the settings transformers' generate takes too
+HF_SAMPLING = ("top_p", "top_k", "min_p")
+
+
+def _sampling(text: str) -> dict:
+    """``--sampling``: "top_p=0.9,top_k=50" -> {"top_p": 0.9, "top_k": 50}."""
+    kinds = dict(top_p=float, top_k=int, min_p=float, logprobs=int)
+    out = {}
+    for part in filter(None, text.split(",")):
+        name, _, val = part.partition("=")
+        if name not in kinds:
+            raise argparse.ArgumentTypeError(f"--sampling takes {', '.join(kinds)}, got {name!r}")
+        try:
+            out[name] = kinds[name](val)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--sampling {name} must be a {kinds[name].__name__}, got {val!r}") from None
+    return out
 
 
 def _idle_share(steps: list) -> float | None:
