@@ -3,8 +3,8 @@
 A plan's kernels read everything that changes between decode steps (the pieces, their token
 ranges, the merge lists, the lengths) from its int32 buffer and its partial-state buffers; the
 launches fix only the grids, tile sizes and a few counts (:meth:`CascadePlan.launch_key`). A plan
-made with ``plan_cascade(..., arena=arena)`` is uploaded into the arena's buffers, each part at a
-fixed offset with room to grow, instead of fresh ones: a graph captured with one such plan replays
+made with ``plan_cascade(..., arena=arena)`` is staged in the arena's layout on the host and copied into
+its buffers, each part at a fixed offset with room to grow, instead of fresh ones: a graph captured with one such plan replays
 correctly with any later plan of the same arena and launch key. The block table is not a part: the
 caller passes it on the device at a fixed address (``block_table_device``).
 
@@ -54,14 +54,16 @@ class CascadeArena:
         return (self.partial_o.shape[1:] == (group, head_dim) and slots <= self.slots
                 and all(self.capacity.get(name, -1) >= n for name, n in sizes.items()))
 
-    def upload(self, host_views: dict) -> dict[str, torch.Tensor]:
-        """Copies the parts ``{name: int32 numpy array}`` to their places (one copy through a fresh
-        pinned buffer: the host may fill the next step's while this copy waits in the stream)
-        -> {name: device view of its first entries}."""
+    def stage(self, sizes: dict[str, int]) -> tuple[torch.Tensor, dict]:
+        """A fresh host buffer in the arena's layout (pinned for a CUDA arena: the host may fill the
+        next step's while this one's copy waits in the stream), zeros, and the views of its parts
+        ``{name: int32 numpy view of sizes[name] entries}`` to fill before :meth:`send`."""
         src = torch.zeros(self.size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         host = src.numpy()
-        for name, v in host_views.items():
-            at = self.offsets[name]
-            host[at:at + v.size] = v.reshape(-1)
+        return src, {name: host[self.offsets[name]:self.offsets[name] + n] for name, n in sizes.items()}
+
+    def send(self, src: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Copies a filled :meth:`stage` buffer to the arena (one copy) -> {name: device view of its
+        first ``sizes[name]`` entries}."""
         self.buffer[:self.size].copy_(src, non_blocking=True)
-        return {name: self.buffer[self.offsets[name]:self.offsets[name] + v.size] for name, v in host_views.items()}
+        return {name: self.buffer[self.offsets[name]:self.offsets[name] + n] for name, n in sizes.items()}

@@ -85,11 +85,12 @@ def _same_tails(plan, forest, gl: int) -> bool:
     kv_head) then and now. With fused lists (``fused.fused_order``) the tails are cut over the node
     programs, and those lists must be the same."""
     lens, shared, hkv = plan.seq_lens_host, plan.tail_start(), plan.num_kv_heads
+    was, was_shared = forest.seq_lens_host, forest.tail_start()
     live = lens > shared
-    if not np.array_equal(live, forest.seq_lens_host > forest.tail_start()):
+    if not np.array_equal(live, was > was_shared):
         return False
     units = -(-(lens[live] - shared[live]) // plan.block_n)  # [n] each live tail's tiles
-    if np.array_equal(units, -(-(forest.seq_lens_host[live] - forest.tail_start()[live]) // plan.block_n)):
+    if np.array_equal(units, -(-(was[live] - was_shared[live]) // plan.block_n)):
         return True
     n = units.size
     if forest.num_leaf_pieces != n * hkv:
@@ -286,8 +287,16 @@ def memberships(base: np.ndarray, n: np.ndarray):
 
 
 def staging(plan, parts, block_table_device):
-    """One int32 host array (pinned for a CUDA device) cut into the named parts ``[(name, size)]``,
-    the block table last unless it is already on the device. -> (tensor, {name: host view})."""
+    """One int32 host array (pinned for a CUDA device) cut into the named parts ``[(name, size)]``:
+    the layout of ``plan.arena`` where the parts fit it (else ``plan.arena`` becomes None), or the
+    parts end to end, the block table last unless it is already on the device. -> (tensor, {name:
+    host view})."""
+    arena, sizes = plan.arena, dict(parts)
+    if arena is not None and not arena.fits(sizes, sizes.get("slots", 0), plan.num_q_heads // plan.num_kv_heads,
+                                            plan.head_dim):
+        arena = plan.arena = None
+    if arena is not None:
+        return arena.stage(sizes)
     if block_table_device is None:
         parts = parts + [("block_table", plan.block_table_host.size)]
     src = torch.empty(sum(n for _, n in parts), dtype=torch.int32, pin_memory=plan.device.type == "cuda")
@@ -301,16 +310,13 @@ def staging(plan, parts, block_table_device):
 
 
 def upload(plan, src: torch.Tensor, host_views: dict, block_table_device) -> None:
-    """Copies the filled staging array to the device at once and makes device views of its parts:
-    into ``plan.arena`` where the plan fits it (else ``plan.arena`` becomes None), or fresh buffers."""
+    """Copies the filled staging array (:func:`staging`) to the device at once and makes device views
+    of its parts: into ``plan.arena`` where it was staged for it, else fresh buffers."""
     plan.host = host_views
     arena = plan.arena
-    if arena is not None and not arena.fits({k: v.size for k, v in host_views.items()}, plan.num_slots,
-                                            plan.num_q_heads // plan.num_kv_heads, plan.head_dim):
-        arena = plan.arena = None
     if arena is not None:
         plan.buffers = arena.buffer
-        plan.views.update(arena.upload(host_views))
+        plan.views.update(arena.send(src, {k: v.size for k, v in host_views.items()}))
     elif plan.device.type == "cpu":
         plan.buffers = src  # already where the kernels read it
     else:

@@ -121,12 +121,15 @@ class CascadePlan:
 
     def window_start(self) -> np.ndarray:
         """[B] int64 each request's first key attended: ``max(0, len - window)``, 0 without a window."""
-        lens = self.seq_lens_host.astype(np.int64)
-        return np.maximum(lens - self.window, 0) if self.window else np.zeros_like(lens)
+        if not self.window:
+            return np.zeros(self.seq_lens_host.size, np.int64)
+        return np.maximum(self.seq_lens_host.astype(np.int64) - self.window, 0)
 
     def tail_start(self) -> np.ndarray:
         """[B] int64 where each request's private tail (run as decode) starts: after its kept nodes,
         and not before its window."""
+        if not self.window:
+            return self.shared_len_host.astype(np.int64)  # (a copy)
         return np.maximum(self.shared_len_host.astype(np.int64), self.window_start())
 
     def unique_tokens(self) -> int:
@@ -181,11 +184,11 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
     bt_host = table[:, :cols_used] if cols_used else np.zeros((bsz, 1), dtype=np.int32)
     max_id = -1
     if bsz and cols_used and (debug_enabled() or bsz * cols_used <= (1 << 16)):
-        used = np.arange(cols_used)[None, :] < (-(-lens // bs))[:, None]
-        ids = bt_host[used]
-        max_id = int(ids.max()) if ids.size else -1
-        if ids.size and int(ids.min()) < 0:
-            raise ValueError(f"block_table_cpu holds negative block ids in its used entries (min {int(ids.min())})")
+        used = np.arange(cols_used)[None, :] < (-(-lens // bs))[:, None]  # (no copy of the ids: a masked max)
+        max_id = int(np.max(bt_host, where=used, initial=-1))
+        low = int(np.min(bt_host, where=used, initial=0))
+        if low < 0:
+            raise ValueError(f"block_table_cpu holds negative block ids in its used entries (min {low})")
     plan = CascadePlan(batch_size=bsz, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device=device,
                        seq_lens_host=lens, shared_len_host=kd * bs, node_ptr=ptr, node_members=members,
                        node_start=nstart * bs, node_end=nend * bs, node_level=level, block_table_host=bt_host,
