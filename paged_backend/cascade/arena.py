@@ -3,10 +3,11 @@
 A plan's kernels read everything that changes between decode steps (the pieces, their token
 ranges, the merge lists, the lengths) from its int32 buffer and its partial-state buffers; the
 launches fix only the grids, tile sizes and a few counts (:meth:`CascadePlan.launch_key`). A plan
-made with ``plan_cascade(..., arena=arena)`` is staged in the arena's layout on the host and copied into
-its buffers, each part at a fixed offset with room to grow, instead of fresh ones: a graph captured with one such plan replays
-correctly with any later plan of the same arena and launch key. The block table is not a part: the
-caller passes it on the device at a fixed address (``block_table_device``).
+made with ``plan_cascade(..., arena=arena)`` is staged in the arena's layout on the host and copied
+into its buffers, each part at a fixed offset with room to grow, instead of fresh ones: a graph
+captured with one such plan replays correctly with any later plan of the same arena and launch key.
+The block table is not a part: the caller passes it on the device at a fixed address
+(``block_table_device``).
 
 A plan that does not fit (more pieces or slots than the arena has room for) is uploaded into fresh
 buffers as usual and its ``arena`` is None; :meth:`CascadeArena.grown_for` makes an arena with room

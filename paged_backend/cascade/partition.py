@@ -292,6 +292,7 @@ def staging(plan, parts, block_table_device):
     parts end to end, the block table last unless it is already on the device. -> (tensor, {name:
     host view})."""
     arena, sizes = plan.arena, dict(parts)
+    # (the "slots" part holds one entry per partial state: the plan's num_slots, not yet set here)
     if arena is not None and not arena.fits(sizes, sizes.get("slots", 0), plan.num_q_heads // plan.num_kv_heads,
                                             plan.head_dim):
         arena = plan.arena = None

@@ -121,15 +121,12 @@ class CascadePlan:
 
     def window_start(self) -> np.ndarray:
         """[B] int64 each request's first key attended: ``max(0, len - window)``, 0 without a window."""
-        if not self.window:
-            return np.zeros(self.seq_lens_host.size, np.int64)
-        return np.maximum(self.seq_lens_host.astype(np.int64) - self.window, 0)
+        lens = self.seq_lens_host.astype(np.int64)
+        return np.maximum(lens - self.window, 0) if self.window else np.zeros_like(lens)
 
     def tail_start(self) -> np.ndarray:
         """[B] int64 where each request's private tail (run as decode) starts: after its kept nodes,
         and not before its window."""
-        if not self.window:
-            return self.shared_len_host.astype(np.int64)  # (a copy)
         return np.maximum(self.shared_len_host.astype(np.int64), self.window_start())
 
     def unique_tokens(self) -> int:
