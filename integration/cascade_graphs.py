@@ -9,9 +9,9 @@ plan is uploaded (one host-to-device copy, beside the inputs' one). So a cascade
 uploaded and replayed like a flat one (:mod:`.graphs`), with no Python between layers.
 
 For each padded batch size (as :func:`graphs.padded_size`) there are static inputs, one arena per
-sliding window and the graphs of the launch keys seen so far: a key changes when the forest does
-(samples finish, a new prompt joins) or the tails' pieces change shape, rarely in a run of samples
-of one prompt. A new key captures its graph then (an eager warm-up on the step's own inputs, whose
+sliding window and the graphs of the launch keys seen so far (with the draw's ``SampleMode``): a
+key changes when the forest does (samples finish, a new prompt joins) or the tails' pieces change
+shape, rarely in a run of samples of one prompt. A new key captures its graph then (an eager warm-up on the step's own inputs, whose
 KV writes the replay repeats with the same values, then the capture and the replay); a plan that
 outgrows its arena grows it, dropping that size's graphs. Padding rows have length 0 (no node, no
 tail: attention gives 0), slot -1 and token 0; their logits are dropped.
@@ -24,6 +24,7 @@ import torch
 from paged_backend.cascade import CascadeArena
 
 from .graphs import StaticInputs, capture, padded_size, step_forward, step_outputs
+from .sampler import SampleMode
 from .step import CASCADE, Step
 
 # graphs kept per padded size (each holds its launch key's kernels; the oldest is dropped first)
@@ -33,12 +34,12 @@ MAX_GRAPHS_PER_SIZE = 8
 class CascadeGraphs:
     """The captured cascade decode steps of one engine, made on first use of each (size, launch key).
 
-    ``builder``: the engine's StepBuilder (it plans, carrying forests over between steps). ``draw``:
-    as ``DecodeGraphs``' (``Sampler.draw``, run in each graph after the model), or None."""
+    ``builder``: the engine's StepBuilder (it plans, carrying forests over between steps). ``sample``:
+    as ``DecodeGraphs``' (``Sampler.sample``, run in each graph after the model), or None."""
 
     def __init__(self, model, cache, builder, *, max_num_seqs: int, max_model_len: int, capture: bool = True,
-                 draw=None):
-        self.model, self.cache, self.builder, self.capture, self.draw = model, cache, builder, capture, draw
+                 sample=None):
+        self.model, self.cache, self.builder, self.capture, self.sample = model, cache, builder, capture, sample
         self.max_size = padded_size(max_num_seqs)
         self.width = -(-max_model_len // cache.spec.block_size)
         self.max_model_len = max_model_len
@@ -49,12 +50,12 @@ class CascadeGraphs:
         self.pool = None
 
     def run(self, batch, ids: torch.Tensor | None = None, mark=None, draw=None):
-        """(logits [B, V], drawn (tokens [B], logprobs [B]) or None) of a decode-only ``batch`` whose
+        """(logits [B, V], the drawn ``Sampled`` [B] or None) of a decode-only ``batch`` whose
         rows share blocks, run as a cascade in a graph; None where it cannot (the caller runs the step
         otherwise): more rows than captured, a table wider than ``max_model_len`` allows, or a plan of
         some window kept no node (the flat graph runs it). ``ids`` [B] int64 on the device: the input
         ids of a step run ahead. ``mark``: called once the step is planned, just before its graph
-        runs (profiling), or None. ``draw``: the rows' (temperatures, keys) for the graph's draw
+        runs (profiling), or None. ``draw``: the rows' (SampleSettings, keys) for the graph's draw
         (``StaticInputs.fill``), or None."""
         b = len(batch.seqs)
         if b > self.max_size or batch.block_tables.shape[1] > self.width:
@@ -63,12 +64,13 @@ class CascadeGraphs:
         inp = self.inputs.get(size)
         if inp is None:
             inp = self.inputs[size] = StaticInputs(size, self.width, self.cache.spec.device)
-        draw = draw if self.draw is not None else None
+        draw = draw if self.sample is not None else None
         inp.fill(batch, ids, draw)
         plans = self._plan(batch, inp)
         if any(p.is_flat for p in plans.values()):
             return None
-        key = tuple((w, p.launch_key()) for w, p in plans.items())
+        mode = SampleMode() if draw is None or self.sample is None else draw[0].mode  # (fixed by the graph too)
+        key = (mode, *((w, p.launch_key()) for w, p in plans.items()))
         if mark is not None:
             mark()
         graphs = self.graphs.setdefault(size, {})
@@ -79,7 +81,7 @@ class CascadeGraphs:
             if self.pool is None and self.capture:
                 self.pool = torch.cuda.graph_pool_handle()
             g = graphs[key] = _CascadeGraph(self.model, self.cache, inp, plans, self.max_model_len, self.pool,
-                                            self.capture, self.draw)
+                                            self.capture, self.sample, mode)
             self.captures += 1
         else:
             with torch.inference_mode():
@@ -106,24 +108,24 @@ class CascadeGraphs:
 
 
 class _CascadeGraph:
-    """The forward of one padded size and launch key (and ``draw``: as in ``graphs.step_forward``),
+    """The forward of one padded size and launch key (and ``sample``, ``mode``: as in ``graphs.step_forward``),
     captured with the step that first had them (and run for it: ``out``). Without ``capture_it`` each
     replay runs the forward eagerly with the capture-time plans, whose buffers (the arenas) hold the
     step's plans as in a replay: under the Triton interpreter this tests the plumbing on the CPU."""
 
     def __init__(self, model, cache, inp: StaticInputs, plans: dict, max_seq_len: int, pool, capture_it: bool,
-                 draw=None):
+                 sample=None, mode=None):
         rows = torch.arange(inp.size, device=inp.ids.device)
         # (kept: the graph reads every tensor the step holds - rows, the plans' buffers - at their addresses)
         self.step = step = Step(cache, inp.ids, inp.pos, inp.slots, inp.table, inp.lens, None, rows, CASCADE,
                                 max_seq_len, plans=plans)
-        run = step_forward(model, inp, rows, step, draw)
+        run = step_forward(model, inp, rows, step, sample, mode)
         if not capture_it:
             self.replay = lambda: setattr(self, "out", run())
             with torch.inference_mode():
                 self.replay()
             return
         # one warm-up: the step's own inputs (its KV writes are the replay's), kernels compiled
-        graph, self.out = capture(run, pool, inp.ids.device, warmups=1)  # (logits [size, V], ...)
+        graph, self.out = capture(run, pool, inp.ids.device, warmups=1)  # (logits [size, V], Sampled or None)
         self.replay = graph.replay
         graph.replay()

@@ -32,7 +32,7 @@ from .launched import Launched
 from .kv_cache import KVCacheSpec, PagedKVCache, blocks_for
 from .outputs import RequestOutput, RunStats
 from .requests import Request, RequestMaker, chat_prompts
-from .sampler import Sampled, Sampler
+from .sampler import Sampler
 from .sample_book import SampleBook
 from .step import CASCADE, StepBuilder
 
@@ -123,9 +123,9 @@ class LLM:
         if not enforce_eager and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self.forward, self.cache, num_q_heads=self.info.num_q_heads,
                                        max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-                                       windows=self.info.windows, draw=self.sampler.draw)
+                                       windows=self.info.windows, sample=self.sampler.sample)
             self.cascades = CascadeGraphs(self.forward, self.cache, self.builder, max_num_seqs=max_num_seqs,
-                                          max_model_len=self.max_model_len, draw=self.sampler.draw)
+                                          max_model_len=self.max_model_len, sample=self.sampler.sample)
             self.choice = PathChoice(self.model, spec.bytes_per_block // block_size, self.device)
             self._capture(max_num_seqs)
         self.requests = RequestMaker(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids,
@@ -253,14 +253,14 @@ class LLM:
         try:
             self.cache.copy_blocks(batch.block_copies)
             rows, fork = self.samples.rows(batch)
-            # rows that draw with a temperature alone are drawn in a decode step's graph
-            draw = (rows.temperature, rows.key) if fork is None and self.sampler.plain(rows) else None
+            # a decode step's graph draws its rows (unless they fork: the sampler draws after the graph)
+            draw = (self.sampler.settings(rows), rows.key) if fork is None and rows.key.size else None
             kind, logits, drawn = self._forward(batch, events, None if prev is None else prev.tokens, draw)
             with torch.inference_mode():
                 if fork is not None:
                     logits = logits.repeat_interleave(torch.from_numpy(fork).to(logits.device), dim=0,
                                                       output_size=int(fork.sum()))
-                sampled = Sampled(*drawn) if drawn is not None else self.sampler(logits, rows)
+                sampled = drawn if drawn is not None else self.sampler(logits, rows)
                 t_issued = time.perf_counter()
                 if events:
                     events[1].record()
@@ -322,8 +322,8 @@ class LLM:
 
     def _forward(self, batch, events, ids: torch.Tensor | None, draw=None):
         """The model on one step -> (how attention ran: DECODE, CASCADE, PREFILL or GRAPH, logits [R, V],
-        the rows' (tokens, logprobs) where a graph drew them, else None). ``draw``: the rows'
-        (temperatures, keys) where they draw with a temperature alone (the graphs draw them), or None.
+        the rows' ``Sampled`` where a graph drew them, else None). ``draw``: the rows' (SampleSettings,
+        noise keys) where a graph may draw them, or None.
         On a GPU decode steps replay a CUDA graph: flat ones (:mod:`.graphs`), and cascade ones where
         their rows share blocks and the cascade pays (:mod:`.cascade_graphs`); the rest run eagerly.
         ``ids`` [B] int64 on the device: the input ids of a decode-only step run ahead (its batch
@@ -365,7 +365,7 @@ class LLM:
 
     def _graphs_made(self) -> int:
         """CUDA graphs captured so far (flat decode steps and cascade steps)."""
-        return (0 if self.graphs is None else len(self.graphs.graphs)) + (0 if self.cascades is None else
+        return (0 if self.graphs is None else self.graphs.captures) + (0 if self.cascades is None else
                                                                           self.cascades.captures)
 
     def _detokenize(self, ids) -> str:

@@ -8,11 +8,13 @@ device buffers; each step copies its metadata into them (one host-to-device copy
 plan's buffers with ``plan.update`` and replays. Padding rows have length 0 (attention gives 0),
 slot -1 (nothing is written) and token 0; their logits are dropped.
 
-A graph also draws the step's tokens (``draw``: ``Sampler.draw``, the one-pass Gumbel draw of rows
-with a temperature alone) from temperatures and noise keys that come up in the same copy: a step
-whose rows all draw so (the default sampling settings) calls no sampler from the host and uploads
-no keys of its own (H200, SmolLM2 shape: host 1.0-1.14 -> 0.79 ms a step). Other steps (greedy
-rows, filters, log-probabilities) ignore the graph's draw and run the sampler on its logits.
+A graph also draws the step's tokens (``sample``: ``Sampler.sample``, the whole draw on the device)
+from sampling settings and noise keys that come up in the same copy: a decode step calls no sampler
+from the host and uploads nothing of its own (H200, SmolLM2 shape, temperature-only rows: host
+1.0-1.14 -> 0.79 ms a step). The draw's steps depend on the batch's settings (``SampleMode``: greedy
+rows, min-p, top-k, top-p, log-probabilities): a size keeps one graph per mode seen, the default
+one captured first; a step whose rows fork (a prompt's last step drawing its n samples) replays that
+one and draws with the sampler after it.
 
 Cascade steps replay graphs of their own, whose plans live in fixed buffers (:mod:`.cascade_graphs`).
 So on a GPU a decode step whose samples share a prompt runs either flat (reading the shared KV once
@@ -28,6 +30,7 @@ import torch
 
 import paged_backend as pb
 
+from .sampler import SampleMode, Sampled
 from .step import DECODE, Step
 
 
@@ -49,19 +52,26 @@ def padded_sizes(max_num_seqs: int) -> list[int]:
 class StaticInputs:
     """A decode step's inputs padded to ``size`` rows, in one device buffer filled by one copy (the
     fixed addresses a CUDA graph reads): ``ids``, ``pos`` [1, size] int64, ``slots`` [size] int64,
-    ``keys`` [size] int64 (the draw's noise keys), ``table`` [size, width] int32, ``lens`` [size]
-    int32, ``temp`` [size] float32 (the draw's temperatures). Padding rows: token 0 at position 0,
-    slot -1 (nothing is written), length 0 (attention gives 0), key 0 at temperature 1 (a draw whose
-    token is dropped). ``host``: {name: the host array last copied}."""
+    ``table`` [size, width] int32, ``lens`` [size] int32, and the draw's ``keys`` [size] int64 (noise)
+    and settings (``SampleSettings``: ``k`` int64, ``temp``, ``min_p``, ``top_p`` float32, ``greedy``
+    bool). Padding rows: token 0 at position 0, slot -1 (nothing is written), length 0 (attention
+    gives 0), key 0 at temperature 1 with no filter (a draw whose token is dropped). ``host``: {name:
+    the host array last copied}."""
+
+    # the draw's settings of a padding row (and of every row of a step the graph does not draw)
+    PAD = dict(keys=0, k=1, temp=1.0, min_p=0.0, top_p=np.inf, greedy=False)
 
     def __init__(self, size: int, width: int, device: torch.device):
         self.size, self.width = size, width
-        # int64 parts first, then int32 and float32 ones (aligned views); the padding values from the
-        # start: a warm-up writes no KV
+        # int64 parts first, then int32, float32 and bool ones (aligned views); the padding values
+        # from the start: a warm-up writes no KV
+        p = self.PAD
         self.host = dict(ids=np.zeros((1, size), np.int64), pos=np.zeros((1, size), np.int64),
-                         slots=np.full(size, -1, np.int64), keys=np.zeros(size, np.int64),
-                         table=np.zeros((size, width), np.int32), lens=np.zeros(size, np.int32),
-                         temp=np.ones(size, np.float32))
+                         slots=np.full(size, -1, np.int64), keys=np.full(size, p["keys"], np.int64),
+                         k=np.full(size, p["k"], np.int64), table=np.zeros((size, width), np.int32),
+                         lens=np.zeros(size, np.int32), temp=np.full(size, p["temp"], np.float32),
+                         min_p=np.full(size, p["min_p"], np.float32), top_p=np.full(size, p["top_p"], np.float32),
+                         greedy=np.full(size, p["greedy"], np.bool_))
         self.buffer = torch.from_numpy(np.concatenate([a.reshape(-1).view(np.uint8) for a in self.host.values()]))
         self.buffer = self.buffer.to(device)
         at = 0
@@ -72,8 +82,8 @@ class StaticInputs:
     def fill(self, batch, ids: torch.Tensor | None = None, draw=None) -> None:
         """Copies ``batch`` (decode-only, at most ``size`` rows) in, the rest padding. ``ids`` [B] on
         the device: input ids that replace ``batch.input_ids`` (a step run ahead). ``draw``: the
-        rows' ``(temperatures [B] float32, noise keys [B])`` for a draw in the graph, or None (the
-        padding's values: the graph's draw is not used)."""
+        rows' ``(SampleSettings, noise keys [B])`` for the graph's draw, or None (the padding's
+        values: the graph's draw is not used)."""
         b = len(batch.seqs)
         h = self.host
         h["ids"][0, :b], h["ids"][0, b:] = batch.input_ids, 0
@@ -82,8 +92,10 @@ class StaticInputs:
         cols = batch.block_tables.shape[1]
         h["table"][:b, :cols], h["table"][:b, cols:], h["table"][b:] = batch.block_tables, 0, 0
         h["lens"][:b], h["lens"][b:] = batch.seq_lens, 0
-        h["temp"][:b], h["keys"][:b] = (1.0, 0) if draw is None else draw
-        h["temp"][b:], h["keys"][b:] = 1.0, 0
+        st, keys = draw if draw is not None else (None, None)
+        for name, pad in self.PAD.items():
+            h[name][:b] = pad if st is None else keys if name == "keys" else getattr(st, name)
+            h[name][b:] = pad
         # a fresh pinned buffer (torch's pinned cache gives it out again once copied): the host may
         # fill the next step's while this copy waits in the stream
         src = torch.empty(self.buffer.numel(), dtype=torch.uint8, pin_memory=self.buffer.is_cuda)
@@ -109,81 +121,108 @@ def capture(run, pool, device: torch.device, warmups: int = 2):
     return graph, out
 
 
-def step_forward(model, inp: StaticInputs, rows: torch.Tensor, step, draw=None):
+def step_forward(model, inp: StaticInputs, rows: torch.Tensor, step, sample=None, mode=None):
     """The forward a decode step's graph holds, on ``inp``'s buffers (``rows``: ``arange(size)``, the
-    rows whose logits it keeps) -> a callable giving ``(logits [size, V],)`` or, with ``draw``
-    (``Sampler.draw``), ``(logits, tokens [size], logprobs [size])``: every row drawn in the same
-    graph at its temperature and key in ``inp`` (a step whose rows draw otherwise ignores them)."""
+    rows whose logits it keeps) -> a callable giving ``(logits [size, V], Sampled [size] or None)``:
+    with ``sample`` (``Sampler.sample``) every row drawn in the same graph by ``mode`` (a
+    ``SampleMode``) at its settings and key in ``inp`` (a step whose rows draw otherwise ignores them)."""
     def run():
         logits = model(input_ids=inp.ids, position_ids=inp.pos, use_cache=False, logits_to_keep=rows,
                        paged_step=step).logits[0]
-        return (logits,) if draw is None else (logits, *draw(logits, inp.temp, inp.keys))
+        if sample is None:
+            return logits, None
+        return logits, sample(logits, mode, inp.k, inp.temp, inp.min_p, inp.top_p, inp.greedy, inp.keys)
     return run
 
 
 def step_outputs(out: tuple, b: int, drawn: bool):
-    """A graph's outputs (:func:`step_forward`) for a batch of ``b`` rows -> (logits [b, V], (tokens [b],
-    logprobs [b]) where the graph drew them for the batch (``drawn``), else None). The tokens are a
-    copy: they outlive the step (the next one's input ids), and a view would keep the graph's memory
-    pool in use after the graph is dropped (torch then fails the next capture into that pool)."""
-    return out[0][:b], ((out[1][:b].clone(), out[2][:b]) if drawn and len(out) == 3 else None)
+    """A graph's outputs (:func:`step_forward`) for a batch of ``b`` rows -> (logits [b, V], the
+    ``Sampled`` of its rows where the graph drew them for the batch (``drawn``), else None). The tokens
+    are a copy: they outlive the step (the next one's input ids), and a view would keep the graph's
+    memory pool in use after the graph is dropped (torch then fails the next capture into that pool)."""
+    logits, s = out
+    if not drawn or s is None:
+        return logits[:b], None
+    top = (None, None) if s.top_ids is None else (s.top_ids[:b], s.top_logprobs[:b])
+    return logits[:b], Sampled(s.tokens[:b].clone(), s.logprobs[:b], *top)
 
 
 class _Graph:
-    """One captured decode step of ``size`` rows (static inputs, plans, graph, its outputs ``out``)."""
+    """The captured decode steps of ``size`` rows: static inputs, plans, and one graph (and its outputs)
+    per ``SampleMode`` drawn so far (``sample``: as in :func:`step_forward`; None: graphs without
+    a draw, one per size)."""
 
     def __init__(self, model, cache, size: int, width: int, num_q_heads: int, max_seq_len: int, pool,
-                 capture_it: bool = True, windows=(None,), draw=None):
+                 capture_it: bool = True, windows=(None,), sample=None):
         spec, dev = cache.spec, cache.spec.device
+        self.model, self.pool, self.capture_it, self.sample = model, pool, capture_it, sample
         self.size, self.width = size, width
-        self.inputs = inp = StaticInputs(size, width, dev)
+        self.inputs = StaticInputs(size, width, dev)
         self.plans = {w: pb.plan_decode(np.zeros(size, np.int64), num_q_heads=num_q_heads,
                                         num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                                         block_size=spec.block_size, device=dev, window=w) for w in windows}
-        rows = torch.arange(size, device=dev)
-        self.step = Step(cache, inp.ids, inp.pos, inp.slots, inp.table, inp.lens, None, rows, DECODE, max_seq_len,
-                         plans=self.plans)
-        run = step_forward(model, inp, rows, self.step, draw)
-        self.graph = None
-        if not capture_it:  # the same buffers, plan and warm-up, run eagerly (tests the plumbing on the CPU)
-            with torch.inference_mode():
-                run()
-            self.replay = lambda: setattr(self, "out", run())
-            return
-        self.graph, self.out = capture(run, pool, dev)  # (logits [size, V], ...)
-        self.replay = self.graph.replay
+        self.rows = torch.arange(size, device=dev)
+        self.step = Step(cache, self.inputs.ids, self.inputs.pos, self.inputs.slots, self.inputs.table,
+                         self.inputs.lens, None, self.rows, DECODE, max_seq_len, plans=self.plans)
+        self.modes: dict = {}  # mode -> (replay, outputs), the default mode's first
+        self.mode(SampleMode())
+
+    def mode(self, mode: SampleMode) -> list:
+        """[replay, outputs] of the graph drawing by ``mode`` (the default mode's without ``sample``),
+        captured now if it was not yet."""
+        if self.sample is None:
+            mode = SampleMode()
+        got = self.modes.get(mode)
+        if got is not None:
+            return got
+        run = step_forward(self.model, self.inputs, self.rows, self.step, self.sample, mode)
+        if self.capture_it:
+            graph, out = capture(run, self.pool, self.rows.device)  # (logits [size, V], Sampled or None)
+            got = self.modes[mode] = [graph.replay, out]
+            return got
+        with torch.inference_mode():  # the same buffers, plan and warm-up, run eagerly (the plumbing on the CPU)
+            got = self.modes[mode] = [None, run()]
+        got[0] = lambda: got.__setitem__(1, run())
+        return got
 
     def run(self, batch, ids: torch.Tensor | None = None, mark=None, draw=None):
         """Replays the step for ``batch`` (decode-only, at most ``size`` rows) -> (logits [B, V], the
-        drawn (tokens [B], logprobs [B]) or None). ``ids`` [B] on the device: input ids that replace
+        drawn ``Sampled`` [B] or None). ``ids`` [B] on the device: input ids that replace
         ``batch.input_ids`` (a step run ahead). ``mark``: called just before the replay (profiling:
-        the step's start event), or None. ``draw``: the rows' (temperatures, keys) where the graph is
-        to draw them (:meth:`StaticInputs.fill`), or None."""
+        the step's start event), or None. ``draw``: the rows' (SampleSettings, keys) where the graph
+        is to draw them (:meth:`StaticInputs.fill`), or None."""
         self.inputs.fill(batch, ids, draw)
         for plan in self.plans.values():
             plan.update(self.inputs.host["lens"])
+        # (a new mode's warm-up runs on this step's inputs: its KV writes are the replay's)
+        got = self.mode(SampleMode() if draw is None else draw[0].mode)
         if mark is not None:
             mark()
         with torch.inference_mode():
-            self.replay()
-        return step_outputs(self.out, len(batch.seqs), draw is not None)
+            got[0]()
+        return step_outputs(got[1], len(batch.seqs), draw is not None)
 
 
 class DecodeGraphs:
-    """The captured decode steps of one engine, made on first use of each padded size. ``draw``:
-    ``Sampler.draw``, which each graph runs after the model (the step's draw, when its rows draw
-    with a temperature alone), or None."""
+    """The captured decode steps of one engine, made on first use of each padded size (and sampling
+    mode). ``sample``: ``Sampler.sample``, which each graph runs after the model (the step's draw), or
+    None."""
 
     def __init__(self, model, cache, *, num_q_heads: int, max_num_seqs: int, max_model_len: int,
-                 capture: bool = True, windows=(None,), draw=None):
+                 capture: bool = True, windows=(None,), sample=None):
         self.model, self.cache, self.num_q_heads, self.capture = model, cache, num_q_heads, capture
         self.windows = windows  # one decode plan per sliding window (None: full attention)
-        self.draw = draw
+        self.sample = sample
         self.max_size = padded_size(max_num_seqs)
         self.width = -(-max_model_len // cache.spec.block_size)
         self.max_model_len = max_model_len
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
+
+    @property
+    def captures(self) -> int:
+        """Graphs captured so far (every size's modes)."""
+        return sum(len(g.modes) for g in self.graphs.values())
 
     def run(self, batch, ids: torch.Tensor | None = None, mark=None, draw=None):
         """(logits [B, V], drawn or None) of a decode-only step, or None when it cannot replay (the
@@ -192,16 +231,16 @@ class DecodeGraphs:
         b = len(batch.seqs)
         if b > self.max_size or batch.block_tables.shape[1] > self.width:
             return None
-        return self.graph(padded_size(b)).run(batch, ids, mark, draw if self.draw is not None else None)
+        return self.graph(padded_size(b)).run(batch, ids, mark, draw if self.sample is not None else None)
 
     def graph(self, size: int) -> _Graph:
-        """The step of ``size`` rows (a padded size), captured now if it was not yet."""
+        """The step of ``size`` rows (a padded size), its default mode captured now if it was not yet."""
         g = self.graphs.get(size)
         if g is None:
             if self.pool is None and self.capture:
                 self.pool = torch.cuda.graph_pool_handle()
             g = self.graphs[size] = _Graph(self.model, self.cache, size, self.width, self.num_q_heads,
-                                           self.max_model_len, self.pool, self.capture, self.windows, self.draw)
+                                           self.max_model_len, self.pool, self.capture, self.windows, self.sample)
         return g
 
 

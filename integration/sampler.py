@@ -65,13 +65,18 @@ class Sampled:
 
 
 class Sampler:
-    """Samples S rows of logits ``[S, V]`` on their device; vocabulary hashes are made once."""
+    """Samples S rows of logits ``[S, V]`` on their device; vocabulary hashes are made once.
+
+    A draw is :meth:`sample` on the device (no host work, no sync: the engine's decode graphs hold
+    it) from the rows' :class:`SampleSettings` (:meth:`settings`, made on the host) and noise keys;
+    ``__call__`` makes both and calls it."""
 
     def __init__(self, vocab_size: int, device):
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._vocab_hash = vocab_hash(vocab_size, self.device)  # [V]
-        self._settings = None  # the last rows' settings arrays and what was made of them (see _filters)
+        self._settings = None  # the last rows' settings arrays and what was made of them (see settings)
+        self._uploaded = None  # (the last settings uploaded, their device tensors)
 
     def __call__(self, logits: torch.Tensor, rows: SampleRows) -> Sampled:
         """logits [S, V] (any float dtype) -> :class:`Sampled`."""
@@ -81,82 +86,87 @@ class Sampler:
         dev = logits.device
         if s == 0:  # a step of prefill chunks only: nothing to draw
             return Sampled(torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, device=dev))
-        f = self._filters(rows, v, dev)
-        # (an asynchronous copy: a pageable one waits for the forward)
-        key = None if f.all_greedy else to_device([rows.key.astype(np.int64)], dev)[0]
-        if _plain(f, rows):  # temperature only (the common case): the draw and its log-probability in one pass
-            return Sampled(*self.draw(logits, f.temp, key))
+        st = self.settings(rows)
+        last = self._uploaded
+        if last is None or last[0] is not st or last[1][0].device != dev:  # (asynchronous copies from pinned memory)
+            self._uploaded = last = (st, to_device([st.k, st.temp, st.min_p, st.top_p, st.greedy], dev))
+        key = None if st.mode.all_greedy else to_device([rows.key.astype(np.int64)], dev)[0]
+        return self.sample(logits, st.mode, *last[1], key)
+
+    def settings(self, rows: SampleRows) -> SampleSettings:
+        """The rows' settings as the draw reads them, made once for the settings arrays of a batch:
+        the engine passes the same arrays while a decode batch keeps its samples (SampleBook.rows)."""
+        v = self.vocab_size
+        arrays = (rows.temperature, rows.top_k, rows.top_p, rows.min_p)
+        last = self._settings
+        if last is not None and last[1] == rows.num_logprobs and all(a is b for a, b in zip(arrays, last[0])):
+            return last[2]
+        greedy = rows.temperature == 0
+        use_k = (rows.top_k > 0) & (rows.top_k < v)
+        use_p = rows.top_p < 1.0
+        mode = SampleMode(bool(greedy.any()), bool(greedy.size) and bool(greedy.all()), bool((rows.min_p > 0).any()),
+                          bool(use_k.any()), bool(use_p.any()), min(int(rows.num_logprobs), v))
+        st = SampleSettings(mode, np.where(use_k, rows.top_k, v).astype(np.int64),
+                            np.where(greedy, 1.0, rows.temperature).astype(np.float32), rows.min_p.astype(np.float32),
+                            np.where(use_p, rows.top_p, np.inf).astype(np.float32), greedy)
+        self._settings = (arrays, rows.num_logprobs, st)
+        return st
+
+    def sample(self, logits: torch.Tensor, mode: SampleMode, k: torch.Tensor, temp: torch.Tensor,
+               min_p: torch.Tensor, top_p: torch.Tensor, greedy: torch.Tensor, key: torch.Tensor | None) -> Sampled:
+        """The draw on the device, no host work: logits [S, V]; ``mode`` (which steps run) and the
+        per-row settings [S] of :class:`SampleSettings` on the device; ``key`` [S] int64 noise keys
+        (``SampleRows.key``; unused, may be None, when every row is greedy) -> :class:`Sampled`."""
+        if mode.plain:  # temperature only (the common case): the draw and its log-probability in one pass
+            return Sampled(*gumbel_sample(logits, temp, key, self._vocab_hash))
         logits = logits.float()
         raw_lse = torch.logsumexp(logits, dim=-1)  # [S]
-        tokens = torch.argmax(logits, dim=-1) if f.any_greedy else None
-        if not f.all_greedy:
-            x = logits / f.temp[:, None]
-            if f.any_min_p:
-                x = _min_p(x, f.min_p)
-            if f.any_k or f.any_p:
-                x = _top_k_top_p(x, f.k, f.top_p if f.any_p else None)
+        tokens = torch.argmax(logits, dim=-1) if mode.any_greedy else None
+        if not mode.all_greedy:
+            x = logits / temp[:, None]
+            if mode.any_min_p:
+                x = _min_p(x, min_p)
+            if mode.any_k or mode.any_p:
+                x = _top_k_top_p(x, k, top_p if mode.any_p else None)
             # Gumbel-max: argmax(x + g) with g = -log(-log(u)), u uniform in (0, 1) from the hash
             drawn = gumbel_argmax(x, key, self._vocab_hash)
-            tokens = drawn if tokens is None else torch.where(f.greedy, tokens, drawn)
+            tokens = drawn if tokens is None else torch.where(greedy, tokens, drawn)
         logprobs = logits.gather(1, tokens[:, None])[:, 0] - raw_lse
         out = Sampled(tokens, logprobs)
-        if rows.num_logprobs > 0:
-            top, ids = torch.topk(logits, min(rows.num_logprobs, v), dim=-1)
+        if mode.num_logprobs > 0:
+            top, ids = torch.topk(logits, mode.num_logprobs, dim=-1)
             out.top_ids, out.top_logprobs = ids, top - raw_lse[:, None]
         return out
 
-    def plain(self, rows: SampleRows) -> bool:
-        """Whether every row draws with its temperature alone (no greedy row, filter or log-probabilities):
-        the draw :meth:`draw` makes, which the engine's decode graphs hold. ``rows`` [S] as ``__call__``'s."""
-        if not rows.key.size:  # (a step of prefill chunks only: nothing drawn, no settings to upload)
-            return False
-        return _plain(self._filters(rows, self.vocab_size, self.device), rows)
 
-    def draw(self, logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor):
-        """The draw of rows with a temperature alone: logits [S, V], temperature [S] fp32 (> 0), keys
-        [S] int64 (``SampleRows.key``) on the device -> (tokens [S] int64, logprobs [S] fp32), the
-        tokens and log-probabilities ``__call__`` gives such rows (the same kernel and inputs)."""
-        return gumbel_sample(logits, temperature, keys, self._vocab_hash)
+@dataclass(frozen=True)
+class SampleMode:
+    """Which steps a batch's draw runs (what a CUDA graph of it fixes): any greedy row, every row
+    greedy, any min-p, top-k or top-p row, and the top log-probabilities returned per row."""
+    any_greedy: bool = False
+    all_greedy: bool = False
+    any_min_p: bool = False
+    any_k: bool = False
+    any_p: bool = False
+    num_logprobs: int = 0
 
-    def _filters(self, rows: SampleRows, v: int, dev) -> _Filters:
-        """The rows' settings on the device, made once for the settings arrays of a batch: the engine
-        passes the same arrays while a decode batch keeps its samples (SampleBook.rows)."""
-        arrays = (rows.temperature, rows.top_k, rows.top_p, rows.min_p)
-        last = self._settings
-        if last is not None and last[1] == v and all(a is b for a, b in zip(arrays, last[0])):
-            return last[2]
-        greedy_np = rows.temperature == 0
-        use_k = (rows.top_k > 0) & (rows.top_k < v)
-        use_p = rows.top_p < 1.0
-        # every row's settings in one copy
-        k, temp, min_p, top_p, greedy = to_device(
-            [np.where(use_k, rows.top_k, v).astype(np.int64), np.where(greedy_np, 1.0, rows.temperature).astype(np.float32),
-             rows.min_p.astype(np.float32), np.where(use_p, rows.top_p, np.inf).astype(np.float32), greedy_np], dev)
-        f = _Filters(bool(greedy_np.any()), bool(greedy_np.all()), bool(use_k.any()), bool(use_p.any()),
-                     bool((rows.min_p > 0).any()), k, temp, min_p, top_p, greedy)
-        self._settings = (arrays, v, f)
-        return f
+    @property
+    def plain(self) -> bool:
+        """Every row draws with its temperature alone (the default settings): one pass."""
+        return not (self.any_greedy or self.any_min_p or self.any_k or self.any_p or self.num_logprobs)
 
 
 @dataclass
-class _Filters:
-    """A batch's sampling settings: which filters any row uses (host), and per row on the device
-    ``k [S]`` (V = off), ``temp [S]`` (1 for greedy rows), ``min_p``, ``top_p [S]`` (inf = off),
-    ``greedy [S]`` bool."""
-    any_greedy: bool
-    all_greedy: bool
-    any_k: bool
-    any_p: bool
-    any_min_p: bool
-    k: torch.Tensor
-    temp: torch.Tensor
-    min_p: torch.Tensor
-    top_p: torch.Tensor
-    greedy: torch.Tensor
-
-
-def _plain(f: _Filters, rows: SampleRows) -> bool:
-    return not (f.any_greedy or f.any_min_p or f.any_k or f.any_p or rows.num_logprobs)
+class SampleSettings:
+    """A batch's sampling settings as the draw reads them: its ``mode`` and per row [S] ``k`` int64
+    (V = off), ``temp`` float32 (1 for greedy rows), ``min_p`` float32, ``top_p`` float32 (inf =
+    off), ``greedy`` bool (host arrays)."""
+    mode: SampleMode
+    k: np.ndarray
+    temp: np.ndarray
+    min_p: np.ndarray
+    top_p: np.ndarray
+    greedy: np.ndarray
 
 
 def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -118,67 +118,86 @@ def _samples(outs):
     return [[(c.token_ids, c.cumulative_logprob) for c in o.outputs] for o in outs]
 
 
+def _no_graph_draws(llm):
+    """The engine's graphs ignore their draws from now on: every step's draw is the sampler's, after them."""
+    for g in (llm.graphs, llm.cascades):
+        if g is not None:
+            g.sample = None
+
+
+# sampling settings of each kind the decode graphs draw (SampleMode): temperature alone, the filters,
+# greedy rows beside drawn ones with top log-probabilities
+DRAW_SETTINGS = [dict(temperature=0.8), dict(temperature=1.1, top_p=0.9, top_k=20, min_p=0.05),
+                 dict(temperature=0.0, logprobs=3)]
+
+
 @pytest.mark.kernel
 def test_graphs_draw_the_samplers_tokens_on_the_cpu(monkeypatch):
-    """Decode graphs (run eagerly, capture=False) that hold the step's draw: rows drawing with a
-    temperature alone take the graph's tokens - those of the same graphs with the sampler run after
-    them, log-probabilities bit for bit, and the eager engine's tokens (padding rows dropped) - and
-    the sampler runs only for the prefill steps; rows with a filter (top-p) are drawn by the sampler
-    after the graph, as before."""
+    """Decode graphs (run eagerly, capture=False) that hold the step's draw, for settings of every
+    kind (one graph a size per mode): the tokens and log-probabilities (top ones too) of the same
+    graphs with the sampler run after them, bit for bit, and the eager engine's tokens (padding rows
+    dropped); the sampler runs only for the prefill steps."""
     from paged_backend.integration.graphs import DecodeGraphs
     from paged_backend.integration.sampler import Sampler
     model = tiny("llama", seed=3)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS + [[11, 12]]]
     calls = []
-    call, plain = Sampler.__call__, Sampler.plain
+    call = Sampler.__call__
     monkeypatch.setattr(Sampler, "__call__", lambda self, logits, rows: calls.append(len(logits)) or
                         call(self, logits, rows))
-    llm = LLM(model, device="cpu", num_blocks=64, profile=True)
-    llm.graphs = DecodeGraphs(llm.model, llm.cache, num_q_heads=llm.info.num_q_heads, max_num_seqs=8,
-                              max_model_len=llm.max_model_len, capture=False, draw=llm.sampler.draw)
-    for top_p in (1.0, 0.9):
-        params = [SamplingParams(temperature=0.8, top_p=top_p, seed=i, max_tokens=m)
-                  for i, m in enumerate((12, 20, 6, 9, 16))]
+    llm, plain = (LLM(model, device="cpu", num_blocks=64, profile=True) for _ in range(2))
+    for e in (llm, plain):
+        e.graphs = DecodeGraphs(e.model, e.cache, num_q_heads=e.info.num_q_heads, max_num_seqs=8,
+                                max_model_len=e.max_model_len, capture=False, sample=e.sampler.sample)
+    _no_graph_draws(plain)
+    outputs = lambda outs: [[(c.token_ids, c.cumulative_logprob, c.logprobs) for c in o.outputs] for o in outs]  # noqa: E731
+    for i, kw in enumerate(DRAW_SETTINGS):
+        # (the last: every other request greedy, all with top log-probabilities)
+        params = [SamplingParams(**{**kw, "temperature": kw["temperature"] if j % 2 or i < 2 else 0.7},
+                                 seed=j, max_tokens=m) for j, m in enumerate((12, 20, 6, 9, 16))]
         eager = LLM(model, device="cpu", num_blocks=64).generate(prompts, params, use_tqdm=False)
-        monkeypatch.setattr(Sampler, "plain", lambda self, rows: False)  # the graphs' draws unused
-        want = _samples(llm.generate(prompts, params, use_tqdm=False))
-        monkeypatch.setattr(Sampler, "plain", plain)
+        want = outputs(plain.generate(prompts, params, use_tqdm=False))
         calls.clear()
-        got = _samples(llm.generate(prompts, params, use_tqdm=False))
-        assert got == want and [[t for t, _ in o] for o in got] == [[c.token_ids] for c in (o.outputs[0] for o in eager)]
+        got = outputs(llm.generate(prompts, params, use_tqdm=False))
+        assert got == want and [[t for t, _, _ in o] for o in got] == [[c.token_ids] for c in (o.outputs[0] for o in eager)]
         kinds = [s["kind"] for s in llm.last_stats.step_log]
-        assert kinds.count("graph") == 19
-        assert len(calls) == (len(kinds) if top_p < 1 else len(kinds) - 19)
+        assert kinds.count("graph") == 19 and len(calls) == len(kinds) - 19
+    assert sorted(llm.graphs.graphs) == [1, 2, 4, 8] and llm.graphs.captures == 4 * len(DRAW_SETTINGS)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("path", ["flat", "cascade"])
 def test_gpu_graphs_draw_the_samplers_tokens(monkeypatch, path):
-    """Seeded samples (temperature alone) drawn inside the decode graphs, flat or cascade, are the
-    tokens and log-probabilities of the same graphs with the sampler run after them, bit for bit.
+    """Seeded samples drawn inside the decode graphs, flat or cascade, for settings of every kind
+    (temperature alone, the filters, greedy rows with top log-probabilities) are the tokens and
+    log-probabilities of the same graphs with the sampler run after them, bit for bit.
     Cascade: one graph kept a size and a new launch key every step, so each step drops the graph
     that drew the step before it, still in flight (its tokens must not hold the graphs' memory pool:
     torch fails the next capture into a pool whose graphs are gone but whose memory is in use)."""
     from paged_backend.cascade import CascadePlan
     from paged_backend.integration import cascade_graphs
-    from paged_backend.integration.sampler import Sampler
     monkeypatch.setattr(cascade_graphs, "MAX_GRAPHS_PER_SIZE", 1)
     key, count = CascadePlan.launch_key, itertools.count()
     monkeypatch.setattr(CascadePlan, "launch_key", lambda self: (*key(self), next(count)))
     model = tiny("qwen3", seed=1)
     prompts = [{"prompt_token_ids": list(range(3, 3 + 50))}, {"prompt_token_ids": list(range(7, 7 + 35))}]
-    params = [SamplingParams(n=4, temperature=0.9, seed=s, max_tokens=m) for s, m in ((1, 14), (2, 6))]
     kw = dict(device="cuda", dtype="bfloat16", num_blocks=96, max_num_seqs=8,
               cascade=CascadeCost(0, 0, 0) if path == "cascade" else False)
-    llm = LLM(model, **kw)
-    if path == "cascade":
-        llm.choice.PROBES = 10 ** 9
-    got = _samples(llm.generate(prompts, params, use_tqdm=False))
-    if path == "cascade":
-        assert llm.last_stats.cascade_steps >= 10 and llm.cascades.captures >= llm.last_stats.cascade_steps
-    monkeypatch.setattr(Sampler, "plain", lambda self, rows: False)  # the graphs' draws unused
-    assert _samples(llm.generate(prompts, params, use_tqdm=False)) == got
+    llm, plain = LLM(model, **kw), LLM(model, **kw)
+    _no_graph_draws(plain)
+    outputs = lambda outs: [[(c.token_ids, c.cumulative_logprob, c.logprobs) for c in o.outputs] for o in outs]  # noqa: E731
+    for e in (llm, plain):
+        if path == "cascade":
+            e.choice.PROBES = 10 ** 9
+    for settings in DRAW_SETTINGS:
+        # (greedy: the second prompt's samples draw at a temperature, beside the first's greedy ones)
+        params = [SamplingParams(**{**settings, "temperature": settings["temperature"] or 0.9 * s}, n=4, seed=s,
+                                 max_tokens=m) for s, m in ((0, 14), (1, 6))]
+        got = outputs(llm.generate(prompts, params, use_tqdm=False))
+        if path == "cascade":
+            assert llm.last_stats.cascade_steps >= 10 and llm.cascades.captures >= llm.last_stats.cascade_steps
+        assert outputs(plain.generate(prompts, params, use_tqdm=False)) == got
 
 
 @pytest.mark.gpu

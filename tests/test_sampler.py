@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from paged_backend.integration.sampler import SampleRows, Sampler, row_keys
+from paged_backend.integration.sampler import SampleMode, SampleRows, Sampler, row_keys
 from paged_backend.gumbel import mix32
 
 
@@ -182,21 +182,28 @@ def test_wrong_vocab_width_is_refused():
         Sampler(10, "cpu")(torch.zeros(2, 11), rows(2))
 
 
-def test_plain_rows_and_their_draw_are_the_samplers():
-    """``plain``: rows that draw with a temperature alone (what the engine's decode graphs draw with
-    ``draw``); ``draw`` gives those rows the sampler's own tokens and log-probabilities. An empty
-    step is not plain and leaves the settings the sampler keeps on the device as they were."""
+def test_settings_and_sample_are_the_samplers_draw():
+    """``settings``: each batch's mode (which steps the draw runs: what the engine's decode graphs fix)
+    and its per-row values, made once for the same arrays; ``sample`` on them, on the device with no
+    host work, gives the sampler's own tokens and log-probabilities (top ones too) in every mode."""
     torch.manual_seed(4)
     v = 300
     logits = torch.randn(6, v)
     sampler = Sampler(v, "cpu")
-    r = rows(6, [0.7, 1.3] * 3, keys=row_keys(np.arange(6), np.arange(6), np.full(6, 2)))
-    assert sampler.plain(r)
-    want = sampler(logits, r)
-    tokens, logprobs = sampler.draw(logits, torch.from_numpy(r.temperature), torch.from_numpy(r.key.astype(np.int64)))
-    assert torch.equal(tokens, want.tokens) and torch.equal(logprobs, want.logprobs)
-    for other in (dict(temperature=[0.7, 0.0] * 3), dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1),
-                  dict(num_logprobs=2)):
-        assert not sampler.plain(rows(6, **{"temperature": 1.0, **other}))
-    kept = sampler._settings
-    assert not sampler.plain(rows(0)) and sampler._settings is kept
+    keys = row_keys(np.arange(6), np.arange(6), np.full(6, 2))
+    cases = [(dict(temperature=[0.7, 1.3] * 3), SampleMode()),
+             (dict(temperature=[0.7, 0.0] * 3), SampleMode(any_greedy=True)),
+             (dict(temperature=0.0), SampleMode(any_greedy=True, all_greedy=True)),
+             (dict(top_k=5), SampleMode(any_k=True)), (dict(top_k=v), SampleMode()),
+             (dict(top_p=0.9), SampleMode(any_p=True)), (dict(min_p=0.1), SampleMode(any_min_p=True)),
+             (dict(num_logprobs=2), SampleMode(num_logprobs=2)), (dict(num_logprobs=v + 5), SampleMode(num_logprobs=v))]
+    for kw, mode in cases:
+        r = rows(6, **{"temperature": 1.0, **kw, "keys": keys})
+        st = sampler.settings(r)
+        assert st.mode == mode and st.mode.plain == (mode == SampleMode()) and sampler.settings(r) is st
+        want = sampler(logits, r)
+        got = sampler.sample(logits, st.mode, *map(torch.from_numpy, (st.k, st.temp, st.min_p, st.top_p, st.greedy,
+                                                                     r.key.astype(np.int64))))
+        for a, b in ((got.tokens, want.tokens), (got.logprobs, want.logprobs), (got.top_ids, want.top_ids),
+                     (got.top_logprobs, want.top_logprobs)):
+            assert (a is None and b is None) or torch.equal(a, b)
