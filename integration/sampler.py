@@ -104,8 +104,11 @@ class Sampler:
         greedy = rows.temperature == 0
         use_k = (rows.top_k > 0) & (rows.top_k < v)
         use_p = rows.top_p < 1.0
+        k_max = int(rows.top_k[use_k].max()) if use_k.any() else 0
+        width = 1 << (k_max - 1).bit_length() if k_max and not use_p.any() else 0  # (a few widths: a few graphs)
         mode = SampleMode(bool(greedy.any()), bool(greedy.size) and bool(greedy.all()), bool((rows.min_p > 0).any()),
-                          bool(use_k.any()), bool(use_p.any()), min(int(rows.num_logprobs), v))
+                          bool(use_k.any()), bool(use_p.any()), min(int(rows.num_logprobs), v),
+                          width if width <= TOP_K_WIDTH_MAX else 0)
         st = SampleSettings(mode, np.where(use_k, rows.top_k, v).astype(np.int64),
                             np.where(greedy, 1.0, rows.temperature).astype(np.float32), rows.min_p.astype(np.float32),
                             np.where(use_p, rows.top_p, np.inf).astype(np.float32), greedy)
@@ -126,7 +129,9 @@ class Sampler:
             x = logits / temp[:, None]
             if mode.any_min_p:
                 x = _min_p(x, min_p)
-            if mode.any_k or mode.any_p:
+            if mode.top_k_width:
+                x = _top_k(x, k, mode.top_k_width)
+            elif mode.any_k or mode.any_p:
                 x = _top_k_top_p(x, k, top_p if mode.any_p else None)
             # Gumbel-max: argmax(x + g) with g = -log(-log(u)), u uniform in (0, 1) from the hash
             drawn = gumbel_argmax(x, key, self._vocab_hash)
@@ -139,16 +144,24 @@ class Sampler:
         return out
 
 
+# top-k without top-p takes each row's threshold from torch.topk up to this width (vLLM's sampler does
+# the same for top-k alone); wider, the rows are sorted
+TOP_K_WIDTH_MAX = 1024
+
+
 @dataclass(frozen=True)
 class SampleMode:
     """Which steps a batch's draw runs (what a CUDA graph of it fixes): any greedy row, every row
-    greedy, any min-p, top-k or top-p row, and the top log-probabilities returned per row."""
+    greedy, any min-p, top-k or top-p row, the top log-probabilities returned per row, and for top-k
+    without top-p the width of the ``torch.topk`` that finds each row's k-th largest value (a power of
+    two >= every row's k; 0: the rows are sorted)."""
     any_greedy: bool = False
     all_greedy: bool = False
     any_min_p: bool = False
     any_k: bool = False
     any_p: bool = False
     num_logprobs: int = 0
+    top_k_width: int = 0
 
     @property
     def plain(self) -> bool:
@@ -174,6 +187,16 @@ def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p)
     floor = x.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
     return x.masked_fill(x < floor, float("-inf"))
+
+
+def _top_k(x: torch.Tensor, k: torch.Tensor, width: int) -> torch.Tensor:
+    """x [S, V] without the tokens below each row's k-th largest value (``k [S]``, V = off), read from
+    the ``width`` largest (``width`` >= every k < V) instead of sorting the rows: the threshold of
+    :func:`_top_k_top_p` (ties with the k-th stay), so the same tokens."""
+    v = x.shape[1]
+    kth = torch.topk(x, min(width, v), dim=-1).values.gather(1, k.clamp(max=width)[:, None] - 1)  # [S, 1]
+    kth = torch.where(k[:, None] < v, kth, float("-inf"))  # (rows without top-k keep every token)
+    return x.masked_fill(x < kth, float("-inf"))
 
 
 def _top_k_top_p(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:

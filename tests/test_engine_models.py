@@ -126,9 +126,9 @@ def _no_graph_draws(llm):
 
 
 # sampling settings of each kind the decode graphs draw (SampleMode): temperature alone, the filters,
-# greedy rows beside drawn ones with top log-probabilities
+# top-k alone (by torch.topk), greedy rows beside drawn ones with top log-probabilities
 DRAW_SETTINGS = [dict(temperature=0.8), dict(temperature=1.1, top_p=0.9, top_k=20, min_p=0.05),
-                 dict(temperature=0.0, logprobs=3)]
+                 dict(temperature=0.9, top_k=20), dict(temperature=0.0, logprobs=3)]
 
 
 @pytest.mark.kernel
@@ -151,9 +151,9 @@ def test_graphs_draw_the_samplers_tokens_on_the_cpu(monkeypatch):
                                 max_model_len=e.max_model_len, capture=False, sample=e.sampler.sample)
     _no_graph_draws(plain)
     outputs = lambda outs: [[(c.token_ids, c.cumulative_logprob, c.logprobs) for c in o.outputs] for o in outs]  # noqa: E731
-    for i, kw in enumerate(DRAW_SETTINGS):
+    for kw in DRAW_SETTINGS:
         # (the last: every other request greedy, all with top log-probabilities)
-        params = [SamplingParams(**{**kw, "temperature": kw["temperature"] if j % 2 or i < 2 else 0.7},
+        params = [SamplingParams(**{**kw, "temperature": kw["temperature"] if j % 2 or kw["temperature"] else 0.7},
                                  seed=j, max_tokens=m) for j, m in enumerate((12, 20, 6, 9, 16))]
         eager = LLM(model, device="cpu", num_blocks=64).generate(prompts, params, use_tqdm=False)
         want = outputs(plain.generate(prompts, params, use_tqdm=False))

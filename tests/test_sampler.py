@@ -187,14 +187,16 @@ def test_settings_and_sample_are_the_samplers_draw():
     and its per-row values, made once for the same arrays; ``sample`` on them, on the device with no
     host work, gives the sampler's own tokens and log-probabilities (top ones too) in every mode."""
     torch.manual_seed(4)
-    v = 300
+    v = 3000
     logits = torch.randn(6, v)
     sampler = Sampler(v, "cpu")
     keys = row_keys(np.arange(6), np.arange(6), np.full(6, 2))
     cases = [(dict(temperature=[0.7, 1.3] * 3), SampleMode()),
              (dict(temperature=[0.7, 0.0] * 3), SampleMode(any_greedy=True)),
              (dict(temperature=0.0), SampleMode(any_greedy=True, all_greedy=True)),
-             (dict(top_k=5), SampleMode(any_k=True)), (dict(top_k=v), SampleMode()),
+             (dict(top_k=5), SampleMode(any_k=True, top_k_width=8)), (dict(top_k=v), SampleMode()),
+             (dict(top_k=[5, 2000, v] * 2), SampleMode(any_k=True)),  # (wider than TOP_K_WIDTH_MAX: sorted)
+             (dict(top_k=5, top_p=0.9), SampleMode(any_k=True, any_p=True)),
              (dict(top_p=0.9), SampleMode(any_p=True)), (dict(min_p=0.1), SampleMode(any_min_p=True)),
              (dict(num_logprobs=2), SampleMode(num_logprobs=2)), (dict(num_logprobs=v + 5), SampleMode(num_logprobs=v))]
     for kw, mode in cases:
@@ -207,3 +209,17 @@ def test_settings_and_sample_are_the_samplers_draw():
         for a, b in ((got.tokens, want.tokens), (got.logprobs, want.logprobs), (got.top_ids, want.top_ids),
                      (got.top_logprobs, want.top_logprobs)):
             assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_top_k_alone_by_topk_is_the_sorted_threshold():
+    """Top-k without top-p reads each row's k-th largest value from ``torch.topk`` (width a power of
+    two >= every k) instead of sorting: bit for bit the sorted path's logits, ties with the k-th kept,
+    rows without top-k (k = V) untouched, -inf entries (min-p) as they were."""
+    from paged_backend.integration.sampler import _top_k, _top_k_top_p
+    g = torch.Generator().manual_seed(5)
+    for v in (7, 300, 1000):
+        x = torch.randint(-4, 5, (9, v), generator=g).float() / 2  # (many ties)
+        x[0, :3] = float("-inf")
+        k = torch.tensor([1, 2, 3, min(5, v - 1), v, v, 1, min(6, v - 1), v])
+        for width in (8, 16, 1024):
+            assert torch.equal(_top_k(x, k, width), _top_k_top_p(x, k, None))
