@@ -69,7 +69,9 @@ class Projections:
 
 def rehome(layers: torch.nn.ModuleList) -> Projections:
     """Puts each module's ``GROUPS`` of plain ``nn.Linear`` children (same input width, dtype,
-    device; all with a bias or none) end to end in one buffer. -> the groups moved."""
+    device; all with a bias or none) end to end in one buffer, where they are not already (a second
+    engine on the same model must not move the weights the first one's CUDA graphs read). -> the
+    groups so laid out."""
     groups = []
     for module in (m for layer in layers for m in layer.modules()):
         for names in GROUPS:
@@ -80,7 +82,8 @@ def rehome(layers: torch.nn.ModuleList) -> Projections:
             if len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1 or len({m.bias is None for m in lins}) != 1 \
                     or ws[0].device.type == "meta":
                 continue
-            _join(lins)
+            if not all(_end_to_end(run) for run in Projections.params(lins)):
+                _join(lins)  # (a group already joined stays where it is: another engine's graphs read it there)
             groups.append(lins)
     proj = Projections(groups, [])
     proj.ptrs = proj.addresses()

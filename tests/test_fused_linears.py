@@ -49,6 +49,10 @@ def test_rehome_keeps_parameters_and_values_and_lays_weights_end_to_end(family):
             assert len({w.untyped_storage().data_ptr() for w in ws}) == 1
             assert [w.storage_offset() for w in ws] == [sum(v.numel() for v in ws[:i]) for i in range(len(ws))]
         assert a.o_proj.weight.untyped_storage().data_ptr() != a.q_proj.weight.untyped_storage().data_ptr()
+    # a second engine on the same model: the groups are kept where they lie (the first engine's CUDA
+    # graphs read them at these addresses)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    assert len(rehome(layers).groups) == 2 * len(layers) and [p.data_ptr() for p in model.parameters()] == ptrs
 
 
 def test_a_rehomed_model_still_trains_and_keeps_the_layout():
