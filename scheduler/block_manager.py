@@ -349,6 +349,16 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_hashed_blocks = seq.prefill_after = 0
         seq.wait_for = None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block's content (the KV of new weights differs from the cached one).
+        Only while no sequence holds a block (between engine calls; as vLLM's): -> whether it did."""
+        if self.num_held:
+            return False
+        self.hash_to_block.clear()
+        n = self.num_blocks
+        self.block_hash, self.block_key, self.block_uid = [None] * n, [None] * n, [-1] * n
+        return True
+
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
         """free/used blocks, holdings (sum of refs), blocks and bytes saved by sharing,

@@ -126,6 +126,25 @@ def test_collision_never_shares_wrong_kv():
     assert c.num_computed_tokens == 2 and c.block_table[0] == a.block_table[0]
 
 
+def test_reset_prefix_cache_forgets_contents_only_when_no_block_is_held():
+    bm, kv = BlockManager(16, 4, watermark=0), FakeKV(16, 4)
+    a = Sequence(list(range(10)))
+    bm.allocate(a)
+    compute(bm, kv, a)
+    assert not bm.reset_prefix_cache()  # (a holds its blocks)
+    bm.free(a)
+    assert bm.stats()["cached_blocks"] == 2 and bm.reset_prefix_cache()
+    assert bm.stats()["cached_blocks"] == 0 and bm.num_free_blocks == 16
+    b = Sequence(list(range(10)))
+    bm.allocate(b)
+    assert b.num_computed_tokens == 0  # nothing matched: its KV is computed again
+    compute(bm, kv, b)
+    bm.free(b)
+    c = Sequence(list(range(10)))
+    bm.allocate(c)
+    assert c.num_computed_tokens == 8 and kv.read_ok(bm, c, 8)  # the new contents are cached again
+
+
 def test_chain_key_includes_prefix():
     bm, kv = BlockManager(16, 2, watermark=0), FakeKV(16, 2)
     a = Sequence([1, 2, 3, 4, 0])
