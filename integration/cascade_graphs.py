@@ -49,6 +49,11 @@ class CascadeGraphs:
         self.captures = 0  # graphs captured so far
         self.pool = None
 
+    def reset(self) -> None:
+        """Drops every graph (as ``DecodeGraphs.reset``); the arenas and static inputs stay."""
+        self.graphs.clear()
+        self.pool = None
+
     def run(self, batch, ids: torch.Tensor | None = None, mark=None, draw=None):
         """(logits [B, V], the drawn ``Sampled`` [B] or None) of a decode-only ``batch`` whose
         rows share blocks, run as a cascade in a graph; None where it cannot (the caller runs the step

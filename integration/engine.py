@@ -120,6 +120,7 @@ class LLM:
         if compile_model:
             self.forward = CompiledForward.of(self.model, **({} if compile_model is True else {"backend": compile_model}))
         self.graphs = self.cascades = self.choice = None
+        self._weights = _weight_state(self.model)  # what the graphs and the prefix cache were made with
         if not enforce_eager and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self.forward, self.cache, num_q_heads=self.info.num_q_heads,
                                        max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
@@ -198,6 +199,7 @@ class LLM:
             self._last_finish, self._last_events = t_start, None
             if self.choice is not None:
                 self.choice.new_run()
+            self._follow_weights()
             while step is not None or self.sched.has_unfinished():
                 if step is None:
                     step = self._launch(self._schedule(), None)
@@ -361,7 +363,38 @@ class LLM:
             for size in sizes:
                 self.graphs.graph(size)
                 bar.update(1)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the KV of every cached prompt block (vLLM's call of the same name): after weights
+        were written in a way the engine cannot see (``p.data.copy_(t)``: see :meth:`_follow_weights`).
+        Between calls only: -> False (nothing done) while requests hold blocks."""
+        return self.sched.bm.reset_prefix_cache()
+
+    def _follow_weights(self) -> None:
+        """Before a call's first step, where the model's tensors changed since the last call: the
+        prefix cache is dropped (its KV came from the old weights), and where a tensor was re-pointed
+        (``p.data = t``, ``load_state_dict(assign=True)``, ``model.to``) the CUDA graphs are captured
+        again (they read each weight at its old address, memory freed since). Updates in place are
+        seen by the tensors' version counters (``copy_``, ``load_state_dict``, an optimizer's step,
+        under ``no_grad`` or not); writes through ``.data`` bump none: call :meth:`reset_prefix_cache`
+        after those. ~0.5 us a tensor, once a call."""
+        projections = getattr(self.forward, "projections", None)
+        if projections is not None:  # (the joined projections put back end to end first: their new place counts)
+            projections.keep()
+        addresses, versions = _weight_state(self.model)
+        if addresses == self._weights[0] and versions == self._weights[1]:
+            return
+        if not self.sched.bm.reset_prefix_cache():
+            log.warning("the model's weights changed while requests hold KV blocks: the prefix cache is kept")
+        if addresses != self._weights[0] and self.graphs is not None:
+            log.info("the model's weights moved since its CUDA graphs were captured: capturing them again")
+            for graphs in (self.graphs, self.cascades):
+                if graphs is not None:
+                    graphs.reset()
+            self._capture(self._sched_args["max_num_seqs"])
+        self._weights = addresses, versions
 
     def _graphs_made(self) -> int:
         """CUDA graphs captured so far (flat decode steps and cascade steps)."""
@@ -408,6 +441,13 @@ def _events(device: torch.device):
     if device.type != "cuda":
         return None
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+def _weight_state(model: torch.nn.Module) -> tuple[list[int], list[int]]:
+    """Where each of the model's parameters and buffers lies (what captured graphs read), and its
+    version counter (bumped by every in-place update but those through ``.data``)."""
+    ts = [*model.parameters(), *model.buffers()]
+    return [t.data_ptr() for t in ts], [t._version for t in ts]
 
 
 def _progress(total: int, enabled: bool):

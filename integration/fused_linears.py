@@ -19,7 +19,8 @@ the layout: :func:`rehome` does all of them; weights updated in place (``copy_``
 step, ``load_state_dict``) keep it, and a parameter re-pointed at another tensor (``p.data = t``)
 is moved back before the engine's next model call (:meth:`Projections.keep`: Dynamo's guards do
 not see it, and the joined linear would read past the new tensor). The CUDA graphs read the
-weights at the addresses they were captured with: update weights in place.
+weights at the addresses they were captured with: the engine captures them again when a weight
+moved (``LLM._follow_weights``, before each call).
 """
 from __future__ import annotations
 

@@ -219,6 +219,12 @@ class DecodeGraphs:
         self.graphs: dict[int, _Graph] = {}
         self.pool = None
 
+    def reset(self) -> None:
+        """Drops every graph (they read the model's weights where they lay when captured); the next
+        use of a size captures it again, in a new memory pool."""
+        self.graphs.clear()
+        self.pool = None
+
     @property
     def captures(self) -> int:
         """Graphs captured so far (every size's modes)."""

@@ -200,6 +200,66 @@ def test_gpu_graphs_draw_the_samplers_tokens(monkeypatch, path):
         assert outputs(plain.generate(prompts, params, use_tqdm=False)) == got
 
 
+def _re_point(model, scale: float) -> None:
+    """Each layer's q and o projections re-pointed at new tensors of other values (``p.data = t``)."""
+    for layer in model.get_decoder().layers:
+        for lin in (layer.self_attn.q_proj, layer.self_attn.o_proj):
+            lin.weight.data = lin.weight.detach().clone() * scale
+
+
+def test_the_engine_follows_new_weights_on_the_cpu():
+    """Weights changed between calls: updated in place (``load_state_dict``), the prefix cache is
+    dropped and the decode graphs (run eagerly here, capture=False) kept; re-pointed (``p.data =
+    t``), the graphs are made again too; written through ``.data`` (no version bump),
+    ``reset_prefix_cache`` drops the cache. Each time the tokens are a fresh engine's on the changed
+    model; unchanged weights keep the prefix cache."""
+    from paged_backend.integration.graphs import DecodeGraphs
+    model = tiny("llama", seed=3)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    llm = LLM(model, device="cpu", num_blocks=64, max_num_seqs=8)
+    llm.graphs = DecodeGraphs(llm.model, llm.cache, num_q_heads=llm.info.num_q_heads, max_num_seqs=8,
+                              max_model_len=llm.max_model_len, capture=False)
+    tokens = lambda e: [o.outputs[0].token_ids for o in e.generate(prompts, params, use_tqdm=False)]  # noqa: E731
+    fresh = lambda: tokens(LLM(model, device="cpu", num_blocks=64))  # noqa: E731
+    before = tokens(llm)
+    made = dict(llm.graphs.graphs)
+    kept = lambda: all(llm.graphs.graphs[s] is g for s, g in made.items())  # noqa: E731
+    assert tokens(llm) == before and llm.last_stats.cached_prompt_tokens > 0 and kept()
+    model.load_state_dict({k: v * 1.3 if k.endswith("v_proj.weight") else v for k, v in model.state_dict().items()})
+    got = tokens(llm)
+    assert got == fresh() and got != before and llm.last_stats.cached_prompt_tokens == 0 and kept()
+    _re_point(model, 1.7)
+    again = tokens(llm)
+    assert again == fresh() and again != got and sorted(llm.graphs.graphs) == [1, 2, 4, 8] and not kept()
+    for layer in model.get_decoder().layers:
+        layer.mlp.down_proj.weight.data.mul_(0.5)
+    assert llm.reset_prefix_cache()
+    assert tokens(llm) == fresh() != again
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_graphs_follow_re_pointed_weights():
+    """Captured decode graphs read the weights at their addresses: a weight re-pointed between calls
+    (``p.data = t``, as an RL loop may load new weights) makes the engine capture them again (and
+    drop its prefix cache), and the next call's tokens are a fresh eager engine's on the changed
+    model (fp32, greedy), not the old weights' (nor freed memory's)."""
+    model = tiny("llama", seed=3)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    tokens = lambda e: [o.outputs[0].token_ids for o in e.generate(prompts, params, use_tqdm=False)]  # noqa: E731
+    llm = LLM(model, device="cuda", dtype="float32", num_blocks=64, max_num_seqs=8, profile=True)
+    before, made = tokens(llm), dict(llm.graphs.graphs)
+    _re_point(model, 1.7)
+    torch.cuda.empty_cache()  # (the old weights' memory handed back: stale graphs would read whatever is there)
+    got = tokens(llm)
+    assert not any(llm.graphs.graphs.get(s) is g for s, g in made.items())
+    assert [s["kind"] for s in llm.last_stats.step_log].count("graph") >= 8  # (the new graphs ran the decode steps)
+    want = tokens(LLM(model, device="cuda", dtype="float32", num_blocks=64, enforce_eager=True))
+    assert got == want and got != before
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_decode_graphs_match_eager():
