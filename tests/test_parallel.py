@@ -61,7 +61,17 @@ def _entry(job, rank: int, world: int, port: int, results, backend: str):
 def _launch(job, world: int, expect=None, timeout: float = 120.0, backend: str = "gloo") -> dict:
     """Runs ``JOBS[job]`` (or ``job`` itself, a module-level function ``(rank, world)``) on ``world``
     ranks (gloo; with nccl rank r uses GPU r); returns {rank: result} of the ranks in ``expect``
-    (default all). Bounded: leftovers are killed."""
+    (default all). Bounded: leftovers are killed. The port is free when picked but may be taken
+    before rank 0 listens on it (another process's connection): then the job runs again on another."""
+    for attempt in range(3):
+        try:
+            return _launch_once(job, world, expect, timeout, backend)
+        except AssertionError as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+
+
+def _launch_once(job, world: int, expect, timeout: float, backend: str) -> dict:
     expect = set(range(world)) if expect is None else set(expect)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
