@@ -105,10 +105,11 @@ class Sampler:
         use_k = (rows.top_k > 0) & (rows.top_k < v)
         use_p = rows.top_p < 1.0
         k_max = int(rows.top_k[use_k].max()) if use_k.any() else 0
-        width = 1 << (k_max - 1).bit_length() if k_max and not use_p.any() else 0  # (a few widths: a few graphs)
+        # the rows' top-k window: each row with top-p needs a top-k (else its tokens are sorted)
+        narrow = 0 < k_max <= TOP_K_WIDTH_MAX and not (use_p & ~use_k).any()
+        width = 1 << (k_max - 1).bit_length() if narrow else 0  # (a few widths: a few graphs)
         mode = SampleMode(bool(greedy.any()), bool(greedy.size) and bool(greedy.all()), bool((rows.min_p > 0).any()),
-                          bool(use_k.any()), bool(use_p.any()), min(int(rows.num_logprobs), v),
-                          width if width <= TOP_K_WIDTH_MAX else 0)
+                          bool(use_k.any()), bool(use_p.any()), min(int(rows.num_logprobs), v), width)
         st = SampleSettings(mode, np.where(use_k, rows.top_k, v).astype(np.int64),
                             np.where(greedy, 1.0, rows.temperature).astype(np.float32), rows.min_p.astype(np.float32),
                             np.where(use_p, rows.top_p, np.inf).astype(np.float32), greedy)
@@ -130,7 +131,7 @@ class Sampler:
             if mode.any_min_p:
                 x = _min_p(x, min_p)
             if mode.top_k_width:
-                x = _top_k(x, k, mode.top_k_width)
+                x = _top_k_window(x, k, top_p if mode.any_p else None, mode.top_k_width)
             elif mode.any_k or mode.any_p:
                 x = _top_k_top_p(x, k, top_p if mode.any_p else None)
             # Gumbel-max: argmax(x + g) with g = -log(-log(u)), u uniform in (0, 1) from the hash
@@ -144,17 +145,18 @@ class Sampler:
         return out
 
 
-# top-k without top-p takes each row's threshold from torch.topk up to this width (vLLM's sampler does
-# the same for top-k alone); wider, the rows are sorted
+# where every row with top-p has a top-k of at most this, each row's threshold comes from torch.topk of a
+# power-of-two width >= every k (vLLM's sampler does so for top-k alone) instead of a sort of the rows
 TOP_K_WIDTH_MAX = 1024
 
 
 @dataclass(frozen=True)
 class SampleMode:
     """Which steps a batch's draw runs (what a CUDA graph of it fixes): any greedy row, every row
-    greedy, any min-p, top-k or top-p row, the top log-probabilities returned per row, and for top-k
-    without top-p the width of the ``torch.topk`` that finds each row's k-th largest value (a power of
-    two >= every row's k; 0: the rows are sorted)."""
+    greedy, any min-p, top-k or top-p row, the top log-probabilities returned per row, and the width
+    of the ``torch.topk`` that finds each row's k-th largest value and the tokens its top-p chooses
+    from (a power of two >= every row's k, where every row with top-p has a top-k; 0: the rows are
+    sorted)."""
     any_greedy: bool = False
     all_greedy: bool = False
     any_min_p: bool = False
@@ -189,14 +191,42 @@ def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(x < floor, float("-inf"))
 
 
-def _top_k(x: torch.Tensor, k: torch.Tensor, width: int) -> torch.Tensor:
-    """x [S, V] without the tokens below each row's k-th largest value (``k [S]``, V = off), read from
-    the ``width`` largest (``width`` >= every k < V) instead of sorting the rows: the threshold of
-    :func:`_top_k_top_p` (ties with the k-th stay), so the same tokens."""
-    v = x.shape[1]
-    kth = torch.topk(x, min(width, v), dim=-1).values.gather(1, k.clamp(max=width)[:, None] - 1)  # [S, 1]
+def _top_k_window(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor | None, width: int) -> torch.Tensor:
+    """:func:`_top_k_top_p` bit for bit from each row's ``width`` largest values instead of a sort of
+    the rows: ``width`` >= every k < V, and every row with top-p (``top_p [S]``, inf = off; None:
+    none) has a top-k. The rows as that sort would give them, cut after top-k, are rebuilt from the
+    window - the kept values are the window's then copies of the k-th (tokens tied with it beyond the
+    window) - so top-p's softmax and cumsum run on the same [S, V] values and round the same; the
+    kept tokens are then those >= the last kept value (a tie group stays or goes whole)."""
+    s, v = x.shape
+    w = min(width, v)
+    top = torch.topk(x, w, dim=-1).values  # [S, W] descending
+    kth = top.gather(1, k.clamp(max=w)[:, None] - 1)  # [S, 1]
     kth = torch.where(k[:, None] < v, kth, float("-inf"))  # (rows without top-k keep every token)
-    return x.masked_fill(x < kth, float("-inf"))
+    if top_p is None:
+        return x.masked_fill(x < kth, float("-inf"))
+    count = (x >= kth).sum(dim=-1, keepdim=True)  # [S, 1] tokens top-k keeps
+    rank = torch.arange(v, device=x.device).expand(s, v)
+    # _top_k_top_p's srt.masked_fill(drop, -inf): the window, then the k-th's ties, then -inf
+    srt = torch.cat([top, kth.expand(s, v - w)], dim=1).masked_fill(rank >= count, float("-inf"))  # [S, V]
+    kept = ~_top_p_drop(srt, rank, top_p)  # a prefix of each row
+    last = srt.gather(1, kept.sum(dim=-1, keepdim=True) - 1)  # [S, 1] (the most likely token always stays)
+    last = torch.where(k[:, None] < v, last, float("-inf"))  # (rows without top-k have no top-p: all stay)
+    return x.masked_fill(x < last, float("-inf"))
+
+
+def _top_p_drop(srt: torch.Tensor, rank: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[S, V] bool: the sorted rows' tokens (``srt`` descending, tokens top-k dropped at -inf) that
+    top-p drops, or -inf: a token goes when the mass of the tokens strictly more likely than it is
+    >= ``top_p [S]`` (the mass ahead of its tie group's first member). The masses are made
+    non-decreasing (``cumsum(p) - p`` can step back by an ulp), so the kept tokens are a prefix."""
+    p = torch.softmax(srt, dim=-1)
+    before = torch.cumsum(p, dim=-1) - p  # mass of the tokens sorted ahead
+    starts = torch.ones_like(srt, dtype=torch.bool)
+    starts[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    first = torch.cummax(torch.where(starts, rank, 0), dim=-1).values
+    ahead = torch.cummax(before.gather(1, first), dim=-1).values  # (the most likely tokens have 0 ahead)
+    return (ahead >= top_p[:, None]) | (srt == float("-inf"))
 
 
 def _top_k_top_p(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -205,12 +235,6 @@ def _top_k_top_p(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor | None) -
     srt, idx = torch.sort(x, dim=-1, descending=True)  # [S, V]
     drop = srt < srt.gather(1, k[:, None] - 1)  # below the k-th largest (ties with it stay)
     if top_p is not None:
-        p = torch.softmax(srt.masked_fill(drop, float("-inf")), dim=-1)
-        before = torch.cumsum(p, dim=-1) - p  # mass of the tokens sorted ahead
-        # a tie group takes the mass ahead of its first member: strictly more likely tokens only
-        rank = torch.arange(v, device=x.device).expand_as(srt)
-        starts = torch.ones_like(drop)
-        starts[:, 1:] = srt[:, 1:] != srt[:, :-1]
-        first = torch.cummax(torch.where(starts, rank, 0), dim=-1).values
-        drop |= before.gather(1, first) >= top_p[:, None]  # the most likely tokens have 0 ahead
+        drop |= _top_p_drop(srt.masked_fill(drop, float("-inf")), torch.arange(v, device=x.device).expand_as(srt),
+                            top_p)
     return x.scatter(1, idx, srt.masked_fill(drop, float("-inf")))

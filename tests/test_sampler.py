@@ -196,7 +196,9 @@ def test_settings_and_sample_are_the_samplers_draw():
              (dict(temperature=0.0), SampleMode(any_greedy=True, all_greedy=True)),
              (dict(top_k=5), SampleMode(any_k=True, top_k_width=8)), (dict(top_k=v), SampleMode()),
              (dict(top_k=[5, 2000, v] * 2), SampleMode(any_k=True)),  # (wider than TOP_K_WIDTH_MAX: sorted)
-             (dict(top_k=5, top_p=0.9), SampleMode(any_k=True, any_p=True)),
+             (dict(top_k=5, top_p=0.9), SampleMode(any_k=True, any_p=True, top_k_width=8)),
+             (dict(top_k=[5, 5, v] * 2, top_p=[0.9, 1.0, 1.0] * 2), SampleMode(any_k=True, any_p=True, top_k_width=8)),
+             (dict(top_k=[5, 5, v] * 2, top_p=0.9), SampleMode(any_k=True, any_p=True)),  # (top-p without top-k: sorted)
              (dict(top_p=0.9), SampleMode(any_p=True)), (dict(min_p=0.1), SampleMode(any_min_p=True)),
              (dict(num_logprobs=2), SampleMode(num_logprobs=2)), (dict(num_logprobs=v + 5), SampleMode(num_logprobs=v))]
     for kw, mode in cases:
@@ -211,15 +213,25 @@ def test_settings_and_sample_are_the_samplers_draw():
             assert (a is None and b is None) or torch.equal(a, b)
 
 
-def test_top_k_alone_by_topk_is_the_sorted_threshold():
-    """Top-k without top-p reads each row's k-th largest value from ``torch.topk`` (width a power of
-    two >= every k) instead of sorting: bit for bit the sorted path's logits, ties with the k-th kept,
-    rows without top-k (k = V) untouched, -inf entries (min-p) as they were."""
-    from paged_backend.integration.sampler import _top_k, _top_k_top_p
+def test_top_k_window_is_the_sorted_path_bit_for_bit():
+    """Top-k, and top-p over it, from each row's ``width`` largest values (``torch.topk``, a power of
+    two >= every k) instead of a sort: bit for bit the sorted path's logits - ties with the k-th kept
+    (many beyond the window), rows without top-k (k = V, no top-p) untouched, -inf entries (min-p) as
+    they were, top-p at many levels (1e-6: the most likely tokens only)."""
+    from paged_backend.integration.sampler import _top_k_top_p, _top_k_window
     g = torch.Generator().manual_seed(5)
     for v in (7, 300, 1000):
-        x = torch.randint(-4, 5, (9, v), generator=g).float() / 2  # (many ties)
-        x[0, :3] = float("-inf")
-        k = torch.tensor([1, 2, 3, min(5, v - 1), v, v, 1, min(6, v - 1), v])
-        for width in (8, 16, 1024):
-            assert torch.equal(_top_k(x, k, width), _top_k_top_p(x, k, None))
+        for x in (torch.randint(-4, 5, (9, v), generator=g).float() / 2,  # (many ties)
+                  torch.randn(9, v, generator=g).bfloat16().float() * 3):  # (bf16 logits: a few ties)
+            x[0, :3] = float("-inf")
+            x[5, 1:] = float("-inf")  # (one finite token)
+            k = torch.tensor([1, 2, 3, min(5, v - 1), v, v, 1, min(6, v - 1), min(40, v - 1)])
+            for width in (8, 16, 64, 1024):
+                if width < int(k[k < v].max()):
+                    continue
+                assert torch.equal(_top_k_window(x, k, None, width), _top_k_top_p(x, k, None))
+                for top_p in (1e-6, 0.3, 0.9, 0.999):
+                    p = torch.where(k < v, torch.rand(9, generator=g) * 0 + top_p, float("inf"))
+                    assert torch.equal(_top_k_window(x, k, p, width), _top_k_top_p(x, k, p)), (v, width, top_p)
+
+
