@@ -50,8 +50,10 @@ class CascadeGraphs:
         self.pool = None
 
     def reset(self) -> None:
-        """Drops every graph (as ``DecodeGraphs.reset``); the arenas and static inputs stay."""
+        """Drops every graph (as ``DecodeGraphs.reset``), its static inputs and arenas."""
         self.graphs.clear()
+        self.inputs.clear()
+        self.arenas.clear()
         self.pool = None
 
     def run(self, batch, ids: torch.Tensor | None = None, mark=None, draw=None):

@@ -199,7 +199,7 @@ class LLM:
             self._last_finish, self._last_events = t_start, None
             if self.choice is not None:
                 self.choice.new_run()
-            self._follow_weights()
+            self._ready()
             while step is not None or self.sched.has_unfinished():
                 if step is None:
                     step = self._launch(self._schedule(), None)
@@ -368,28 +368,54 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Forgets the KV of every cached prompt block (vLLM's call of the same name): after weights
-        were written in a way the engine cannot see (``p.data.copy_(t)``: see :meth:`_follow_weights`).
+        were written in a way the engine cannot see (``p.data.copy_(t)``: see :meth:`_ready`).
         Between calls only: -> False (nothing done) while requests hold blocks."""
         return self.sched.bm.reset_prefix_cache()
 
-    def _follow_weights(self) -> None:
-        """Before a call's first step, where the model's tensors changed since the last call: the
-        prefix cache is dropped (its KV came from the old weights), and where a tensor was re-pointed
-        (``p.data = t``, ``load_state_dict(assign=True)``, ``model.to``) the CUDA graphs are captured
-        again (they read each weight at its old address, memory freed since). Updates in place are
-        seen by the tensors' version counters (``copy_``, ``load_state_dict``, an optimizer's step,
-        under ``no_grad`` or not); writes through ``.data`` bump none: call :meth:`reset_prefix_cache`
-        after those. ~0.5 us a tensor, once a call."""
+    def sleep(self) -> None:
+        """Frees the engine's device memory but the model's - the KV pool (the prefix cache's contents
+        with it), the CUDA graphs and their buffers - while the device does other work (an RL loop
+        training the model between calls). The next call, or :meth:`wake_up`, makes them again (the
+        flat graphs captured anew). Between calls only: ``RuntimeError`` while requests hold blocks."""
+        if self.sched.bm.num_held:
+            raise RuntimeError("sleep() while requests hold KV blocks: finish or close the running generate_iter first")
+        for graphs in (self.graphs, self.cascades):
+            if graphs is not None:
+                graphs.reset()
+        self.builder.reset()
+        self.cache.release()
+        self.sched.bm.reset_prefix_cache()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """After :meth:`sleep`: the KV pool allocated and the flat decode graphs captured now, rather
+        than in the next call (which does it otherwise); nothing when awake."""
+        self._ready()
+
+    def _ready(self) -> None:
+        """Before a call's first step: the engine woken if asleep, and where the model's tensors
+        changed since the last call, the prefix cache dropped (its KV came from the old weights), and
+        where a tensor was re-pointed (``p.data = t``, ``load_state_dict(assign=True)``, ``model.to``)
+        the CUDA graphs captured again (they read each weight at its old address, memory freed since).
+        Updates in place are seen by the tensors' version counters (``copy_``, ``load_state_dict``, an
+        optimizer's step, under ``no_grad`` or not); writes through ``.data`` bump none: call
+        :meth:`reset_prefix_cache` after those. ~0.5 us a tensor, once a call."""
         projections = getattr(self.forward, "projections", None)
         if projections is not None:  # (the joined projections put back end to end first: their new place counts)
             projections.keep()
         addresses, versions = _weight_state(self.model)
-        if addresses == self._weights[0] and versions == self._weights[1]:
+        asleep = self.cache.kv is None
+        moved = addresses != self._weights[0]
+        if not (asleep or moved or versions != self._weights[1]):
             return
+        if asleep:
+            self.cache.allocate()
         if not self.sched.bm.reset_prefix_cache():
             log.warning("the model's weights changed while requests hold KV blocks: the prefix cache is kept")
-        if addresses != self._weights[0] and self.graphs is not None:
-            log.info("the model's weights moved since its CUDA graphs were captured: capturing them again")
+        if (asleep or moved) and self.graphs is not None:
+            if moved:
+                log.info("the model's weights moved since its CUDA graphs were captured: capturing them again")
             for graphs in (self.graphs, self.cascades):
                 if graphs is not None:
                     graphs.reset()

@@ -20,7 +20,7 @@ step, ``load_state_dict``) keep it, and a parameter re-pointed at another tensor
 is moved back before the engine's next model call (:meth:`Projections.keep`: Dynamo's guards do
 not see it, and the joined linear would read past the new tensor). The CUDA graphs read the
 weights at the addresses they were captured with: the engine captures them again when a weight
-moved (``LLM._follow_weights``, before each call).
+moved (``LLM._ready``, before each call).
 """
 from __future__ import annotations
 

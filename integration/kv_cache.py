@@ -76,20 +76,34 @@ class PagedKVCache:
     def __init__(self, spec: KVCacheSpec, num_blocks: int):
         self.spec = spec
         self.num_blocks = num_blocks
-        try:
-            self.kv = torch.empty(spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
-                                  dtype=spec.dtype, device=spec.device)
-        except torch.OutOfMemoryError as e:
-            raise ValueError(f"a KV cache of {num_blocks} blocks ({num_blocks * spec.bytes_per_block / 2 ** 30:.2f} GiB)"
-                             f" does not fit on {spec.device}; lower num_blocks or kv_memory_fraction") from e
-        self.k = list(self.kv[:, 0].unbind(0))  # L x [NB, BS, Hkv, D]
-        self.v = list(self.kv[:, 1].unbind(0))
+        self.kv = self.k = self.v = None
+        self.allocate()
         # what write_kv and the attention ops take with this cache: an fp8 one's scales
         self.scales = dict(k_scale=1.0, v_scale=1.0) if spec.dtype.itemsize == 1 else {}
 
+    def allocate(self) -> None:
+        """The pool's memory, made at construction and again after :meth:`release` (its contents
+        undefined: no block holds KV)."""
+        if self.kv is not None:
+            return
+        spec, n = self.spec, self.num_blocks
+        try:
+            self.kv = torch.empty(spec.num_layers, 2, n, spec.block_size, spec.num_kv_heads, spec.head_dim,
+                                  dtype=spec.dtype, device=spec.device)
+        except torch.OutOfMemoryError as e:
+            raise ValueError(f"a KV cache of {n} blocks ({n * spec.bytes_per_block / 2 ** 30:.2f} GiB)"
+                             f" does not fit on {spec.device}; lower num_blocks or kv_memory_fraction") from e
+        self.k = list(self.kv[:, 0].unbind(0))  # L x [NB, BS, Hkv, D]
+        self.v = list(self.kv[:, 1].unbind(0))
+
+    def release(self) -> None:
+        """Drops the pool's memory (``LLM.sleep``); :meth:`allocate` makes it again."""
+        self.kv = self.k = self.v = None
+
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        """The pool's bytes (allocated or not)."""
+        return self.num_blocks * self.spec.bytes_per_block
 
     def copy_blocks(self, block_copies) -> None:
         """Copy-on-write block copies ``[K, 2] (src, dst)`` in every layer (the scheduler's

@@ -129,6 +129,11 @@ class StepBuilder:
         self._decode_plans: dict[tuple, pb.DecodePlan] = {}  # (batch size, window) -> plan (kept buffers)
         self.planner = CascadePlanner(self.windows, **self.shape)  # rows named by seq ids
 
+    def reset(self) -> None:
+        """Drops the kept plans and the carried forest (their buffers: ``LLM.sleep``)."""
+        self._decode_plans.clear()
+        self.planner.reset()
+
     def wants_cascade(self, batch) -> bool:
         """Whether a decode-only ``batch`` would be planned as a cascade (rows share blocks)."""
         return self.cascade and bool(batch.share_groups)

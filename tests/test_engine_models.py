@@ -207,19 +207,24 @@ def _re_point(model, scale: float) -> None:
             lin.weight.data = lin.weight.detach().clone() * scale
 
 
+def _eager_graphs_engine(model):
+    """A CPU engine whose decode graphs (sizes 1-8) run eagerly (capture=False): their plumbing."""
+    from paged_backend.integration.graphs import DecodeGraphs
+    llm = LLM(model, device="cpu", num_blocks=64, max_num_seqs=8)
+    llm.graphs = DecodeGraphs(llm.model, llm.cache, num_q_heads=llm.info.num_q_heads, max_num_seqs=8,
+                              max_model_len=llm.max_model_len, capture=False)
+    return llm
+
+
 def test_the_engine_follows_new_weights_on_the_cpu():
     """Weights changed between calls: updated in place (``load_state_dict``), the prefix cache is
     dropped and the decode graphs (run eagerly here, capture=False) kept; re-pointed (``p.data =
     t``), the graphs are made again too; written through ``.data`` (no version bump),
     ``reset_prefix_cache`` drops the cache. Each time the tokens are a fresh engine's on the changed
     model; unchanged weights keep the prefix cache."""
-    from paged_backend.integration.graphs import DecodeGraphs
     model = tiny("llama", seed=3)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=8)
-    llm = LLM(model, device="cpu", num_blocks=64, max_num_seqs=8)
-    llm.graphs = DecodeGraphs(llm.model, llm.cache, num_q_heads=llm.info.num_q_heads, max_num_seqs=8,
-                              max_model_len=llm.max_model_len, capture=False)
+    prompts, params, llm = [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=8), \
+        _eager_graphs_engine(model)
     tokens = lambda e: [o.outputs[0].token_ids for o in e.generate(prompts, params, use_tqdm=False)]  # noqa: E731
     fresh = lambda: tokens(LLM(model, device="cpu", num_blocks=64))  # noqa: E731
     before = tokens(llm)
@@ -236,6 +241,51 @@ def test_the_engine_follows_new_weights_on_the_cpu():
         layer.mlp.down_proj.weight.data.mul_(0.5)
     assert llm.reset_prefix_cache()
     assert tokens(llm) == fresh() != again
+
+
+def test_sleep_frees_the_pool_and_the_next_call_wakes_it_on_the_cpu():
+    """``sleep`` drops the KV pool, the decode graphs (run eagerly here, capture=False) and the prefix
+    cache's contents; the next call allocates and makes them again and gives the same tokens (the
+    prompt's KV computed anew, then cached again); ``wake_up`` does it ahead of a call. Sleeping
+    while a ``generate_iter`` holds blocks is refused."""
+    model = tiny("llama", seed=3)
+    prompts, params, llm = [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=8), \
+        _eager_graphs_engine(model)
+    tokens = lambda: [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]  # noqa: E731
+    before = tokens()
+    llm.sleep()
+    assert llm.cache.kv is None and llm.cache.k is None and not llm.graphs.graphs
+    assert tokens() == before and llm.last_stats.cached_prompt_tokens == 0 and sorted(llm.graphs.graphs) == [1, 2, 4, 8]
+    assert tokens() == before and llm.last_stats.cached_prompt_tokens > 0
+    running = llm.generate_iter(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in (2, 20, 20, 20)])
+    next(running)  # (the first request done, the others running)
+    with pytest.raises(RuntimeError, match="sleep"):
+        llm.sleep()
+    running.close()
+    llm.sleep()
+    llm.wake_up()
+    assert llm.cache.kv is not None and sorted(llm.graphs.graphs) == [1, 2, 4, 8]
+    assert tokens() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_sleep_frees_the_pool_and_graphs():
+    """On the GPU ``sleep`` hands back at least the KV pool's bytes (graphs and their buffers too),
+    and the next call's tokens are the first call's, its decode steps replayed from graphs captured
+    anew."""
+    model = tiny("llama", seed=3)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    llm = LLM(model, device="cuda", dtype="float32", num_blocks=512, max_num_seqs=8, profile=True)
+    tokens = lambda: [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]  # noqa: E731
+    before = tokens()
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_allocated()
+    llm.sleep()
+    assert used - torch.cuda.memory_allocated() >= llm.cache.nbytes
+    assert tokens() == before
+    assert [s["kind"] for s in llm.last_stats.step_log].count("graph") >= 8
 
 
 @pytest.mark.gpu
