@@ -379,9 +379,7 @@ class LLM:
         flat graphs captured anew). Between calls only: ``RuntimeError`` while requests hold blocks."""
         if self.sched.bm.num_held:
             raise RuntimeError("sleep() while requests hold KV blocks: finish or close the running generate_iter first")
-        for graphs in (self.graphs, self.cascades):
-            if graphs is not None:
-                graphs.reset()
+        self._drop_graphs()
         self.builder.reset()
         self.cache.release()
         self.sched.bm.reset_prefix_cache()
@@ -416,11 +414,15 @@ class LLM:
         if (asleep or moved) and self.graphs is not None:
             if moved:
                 log.info("the model's weights moved since its CUDA graphs were captured: capturing them again")
-            for graphs in (self.graphs, self.cascades):
-                if graphs is not None:
-                    graphs.reset()
+            self._drop_graphs()
             self._capture(self._sched_args["max_num_seqs"])
         self._weights = addresses, versions
+
+    def _drop_graphs(self) -> None:
+        """Every CUDA graph (flat and cascade) dropped: the next use of a shape captures it again."""
+        for graphs in (self.graphs, self.cascades):
+            if graphs is not None:
+                graphs.reset()
 
     def _graphs_made(self) -> int:
         """CUDA graphs captured so far (flat decode steps and cascade steps)."""
