@@ -34,6 +34,7 @@ from .outputs import RequestOutput, RunStats
 from .requests import Request, RequestMaker, chat_prompts
 from .sampler import Sampler
 from .sample_book import SampleBook
+from .weights import WeightWatch
 from .step import CASCADE, StepBuilder
 
 GRAPH = "graph"  # a decode step replayed from a CUDA graph
@@ -120,7 +121,7 @@ class LLM:
         if compile_model:
             self.forward = CompiledForward.of(self.model, **({} if compile_model is True else {"backend": compile_model}))
         self.graphs = self.cascades = self.choice = None
-        self._weights = _weight_state(self.model)  # what the graphs and the prefix cache were made with
+        self.weights = WeightWatch(self.model)  # what the graphs and the prefix cache were made with
         if not enforce_eager and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self.forward, self.cache, num_q_heads=self.info.num_q_heads,
                                        max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
@@ -393,19 +394,16 @@ class LLM:
 
     def _ready(self) -> None:
         """Before a call's first step: the engine woken if asleep, and where the model's tensors
-        changed since the last call, the prefix cache dropped (its KV came from the old weights), and
-        where a tensor was re-pointed (``p.data = t``, ``load_state_dict(assign=True)``, ``model.to``)
-        the CUDA graphs captured again (they read each weight at its old address, memory freed since).
-        Updates in place are seen by the tensors' version counters (``copy_``, ``load_state_dict``, an
-        optimizer's step, under ``no_grad`` or not); writes through ``.data`` bump none: call
-        :meth:`reset_prefix_cache` after those. ~0.5 us a tensor, once a call."""
+        changed since the last call (:class:`.weights.WeightWatch`), the prefix cache dropped (its KV
+        came from the old weights), and where one was re-pointed the CUDA graphs captured again (they
+        read each weight at its old address, memory freed since). Writes through ``.data`` are not
+        seen: call :meth:`reset_prefix_cache` after those."""
         projections = getattr(self.forward, "projections", None)
         if projections is not None:  # (the joined projections put back end to end first: their new place counts)
             projections.keep()
-        addresses, versions = _weight_state(self.model)
+        changed, moved = self.weights.look()
         asleep = self.cache.kv is None
-        moved = addresses != self._weights[0]
-        if not (asleep or moved or versions != self._weights[1]):
+        if not (asleep or changed):
             return
         if asleep:
             self.cache.allocate()
@@ -416,7 +414,6 @@ class LLM:
                 log.info("the model's weights moved since its CUDA graphs were captured: capturing them again")
             self._drop_graphs()
             self._capture(self._sched_args["max_num_seqs"])
-        self._weights = addresses, versions
 
     def _drop_graphs(self) -> None:
         """Every CUDA graph (flat and cascade) dropped: the next use of a shape captures it again."""
@@ -469,13 +466,6 @@ def _events(device: torch.device):
     if device.type != "cuda":
         return None
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-
-def _weight_state(model: torch.nn.Module) -> tuple[list[int], list[int]]:
-    """Where each of the model's parameters and buffers lies (what captured graphs read), and its
-    version counter (bumped by every in-place update but those through ``.data``)."""
-    ts = [*model.parameters(), *model.buffers()]
-    return [t.data_ptr() for t in ts], [t._version for t in ts]
 
 
 def _progress(total: int, enabled: bool):
