@@ -213,25 +213,29 @@ def test_settings_and_sample_are_the_samplers_draw():
             assert (a is None and b is None) or torch.equal(a, b)
 
 
-def test_top_k_window_is_the_sorted_path_bit_for_bit():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_top_k_window_is_the_sorted_path_bit_for_bit(device):
     """Top-k, and top-p over it, from each row's ``width`` largest values (``torch.topk``, a power of
     two >= every k) instead of a sort: bit for bit the sorted path's logits - ties with the k-th kept
     (many beyond the window), rows without top-k (k = V, no top-p) untouched, -inf entries (min-p) as
-    they were, top-p at many levels (1e-6: the most likely tokens only)."""
+    they were, top-p at many levels (1e-6: the most likely tokens only); on the GPU a vocabulary of
+    SmolLM2's size too (other kernel configurations)."""
     from paged_backend.integration.sampler import _top_k_top_p, _top_k_window
     g = torch.Generator().manual_seed(5)
-    for v in (7, 300, 1000):
+    for v in (7, 300, 1000) + ((49152,) if device == "cuda" else ()):
         for x in (torch.randint(-4, 5, (9, v), generator=g).float() / 2,  # (many ties)
                   torch.randn(9, v, generator=g).bfloat16().float() * 3):  # (bf16 logits: a few ties)
             x[0, :3] = float("-inf")
             x[5, 1:] = float("-inf")  # (one finite token)
-            k = torch.tensor([1, 2, 3, min(5, v - 1), v, v, 1, min(6, v - 1), min(40, v - 1)])
+            x = x.to(device)
+            k = torch.tensor([1, 2, 3, min(5, v - 1), v, v, 1, min(6, v - 1), min(40, v - 1)], device=device)
             for width in (8, 16, 64, 1024):
                 if width < int(k[k < v].max()):
                     continue
                 assert torch.equal(_top_k_window(x, k, None, width), _top_k_top_p(x, k, None))
                 for top_p in (1e-6, 0.3, 0.9, 0.999):
-                    p = torch.where(k < v, torch.rand(9, generator=g) * 0 + top_p, float("inf"))
+                    p = torch.where(k < v, top_p, float("inf"))
                     assert torch.equal(_top_k_window(x, k, p, width), _top_k_top_p(x, k, p)), (v, width, top_p)
 
 
