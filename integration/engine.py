@@ -27,7 +27,8 @@ from paged_backend.scheduler.scheduler import FINISHED
 from . import hf_attention, models
 from .cascade_graphs import CascadeGraphs
 from .compiled import CompiledForward
-from .graphs import DecodeGraphs, PathChoice, padded_sizes
+from .graphs import DecodeGraphs, padded_sizes
+from .path_choice import PathChoice
 from .launched import Launched
 from .kv_cache import KVCacheSpec, PagedKVCache, blocks_for
 from .outputs import RequestOutput, RunStats

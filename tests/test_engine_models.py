@@ -426,7 +426,8 @@ def test_cascade_graph_buffers_and_padding_on_the_cpu(monkeypatch):
             return float(end.at - self.at)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(engine_mod, "_events", lambda device: (Event(), Event()))
-    from paged_backend.integration.graphs import DecodeGraphs, PathChoice
+    from paged_backend.integration.graphs import DecodeGraphs
+    from paged_backend.integration.path_choice import PathChoice
     model = tiny("qwen3", seed=1)
     prompts = [{"prompt_token_ids": list(range(3, 3 + 50))}, {"prompt_token_ids": list(range(7, 7 + 35))}]
     params = [SamplingParams(n=3, temperature=0, max_tokens=m) for m in (14, 6)]
@@ -619,7 +620,7 @@ def test_path_choice_times_both_paths_and_holds_its_path():
     is timed again after REPROBE flat steps in a row and at each engine call's start."""
     from types import SimpleNamespace
 
-    from paged_backend.integration.graphs import PathChoice
+    from paged_backend.integration.path_choice import PathChoice
     choice = PathChoice(torch.nn.Linear(1, 1, bias=False), kv_bytes_per_token=1, device=torch.device("cpu"))
     choice.bandwidth = 1000.0  # bytes/s: a flat step of 10 rows x 100 tokens (+ 4 weight bytes) takes ~1 s
     batch = SimpleNamespace(seq_lens=np.full(10, 100))
