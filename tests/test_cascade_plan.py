@@ -523,3 +523,17 @@ def test_planner_carries_the_forest_by_ids():
     planner.plans(table[:3], lens[:3], np.array([10, 11, 99]), torch.from_numpy(table[:3]), cost)
     got = planner.plans(moved, lens[:3], np.array([10, 11, 99]), torch.from_numpy(moved), cost, checked=True)
     assert nodes(got) == fresh(moved, lens[:3]) and planner.reused == 3
+
+
+def test_used_id_bounds_read_each_rows_used_entries_only():
+    """The block-id bounds a plan checks: the max and (negative) min over each row's used entries only,
+    whatever lies after them, for rows of one length (a decode step) and ragged ones."""
+    from paged_backend.cascade.plan import _used_id_bounds
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        b, c = int(rng.integers(1, 9)), int(rng.integers(1, 12))
+        table = rng.integers(-3, 50, (b, c)).astype(np.int32)
+        blocks = np.full(b, c) if rng.random() < 0.3 else rng.integers(1, c + 1, b)
+        used = np.arange(c)[None, :] < blocks[:, None]
+        want = int(np.max(table, where=used, initial=-1)), int(np.min(table, where=used, initial=0))
+        assert _used_id_bounds(table, blocks) == want

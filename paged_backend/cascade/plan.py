@@ -181,9 +181,7 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
     bt_host = table[:, :cols_used] if cols_used else np.zeros((bsz, 1), dtype=np.int32)
     max_id = -1
     if bsz and cols_used and (debug_enabled() or bsz * cols_used <= (1 << 16)):
-        used = np.arange(cols_used)[None, :] < (-(-lens // bs))[:, None]  # (no copy of the ids: a masked max)
-        max_id = int(np.max(bt_host, where=used, initial=-1))
-        low = int(np.min(bt_host, where=used, initial=0))
+        max_id, low = _used_id_bounds(bt_host, -(-lens // bs))
         if low < 0:
             raise ValueError(f"block_table_cpu holds negative block ids in its used entries (min {low})")
     plan = CascadePlan(batch_size=bsz, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device=device,
@@ -202,6 +200,23 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
     partition(plan, group, node_programs, leaf_programs, block_table_device, cost,
               forest if forest_rows is None and window is None else None)
     return plan
+
+
+def _used_id_bounds(table: np.ndarray, blocks: np.ndarray) -> tuple[int, int]:
+    """(max, min(0, min)) of the block ids each row uses, ``table [B, C]``'s first ``blocks [B]``
+    entries: the columns every row uses plainly, a masked reduction over the ragged rest only (the
+    rows of a decode step are mostly one length; a masked reduction is ~3x slower a value)."""
+    full = int(blocks.min())
+    hi, lo = -1, 0
+    if full:
+        head = table[:, :full]
+        hi, lo = int(head.max()), min(0, int(head.min()))
+    if full < table.shape[1]:
+        rest = table[:, full:]
+        used = np.arange(full, table.shape[1])[None, :] < blocks[:, None]
+        hi = max(hi, int(np.max(rest, where=used, initial=-1)))
+        lo = min(lo, int(np.min(rest, where=used, initial=0)))
+    return hi, lo
 
 
 def trim_to_window(ptr, members, start, end, level, lo):
