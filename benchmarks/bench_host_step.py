@@ -30,6 +30,7 @@ from paged_backend.integration.kv_cache import KVCacheSpec, PagedKVCache  # noqa
 from paged_backend.integration.step import StepBuilder  # noqa: E402
 from paged_backend.scheduler import BlockManager, SamplingParams, Scheduler  # noqa: E402
 
+BENCH = "host_step"
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # q heads, KV heads, head dim
 PARTS = ("schedule", "fill", "plan", "postprocess")
 
@@ -75,7 +76,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="one small case (smoke run)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--out", help="results JSON (none by default)")
+    p.add_argument("--out", help="results JSON (default: none on the CPU, benchmarks/results/<gpu>.json on a GPU)")
     a = p.parse_args()
     device = torch.device(a.device)
     cases = [("smollm2-135m", 256, 8, 20)] if a.quick else [(s, L, 64, a.steps) for s in SHAPES for L in (4096, 32768)]
@@ -83,9 +84,14 @@ def main() -> None:
     for shape, prompt, n, steps in cases:
         r = results[f"{shape}:{prompt}x{n}"] = run(shape, prompt, n, steps, device)
         rows.append([shape, f"{prompt} x {n}", *(f"{r[k]['median_us']:.0f} ({r[k]['p90_us']:.0f})" for k in (*PARTS, "total"))])
+    table = C.md_table(["shape", "prompt x samples", *PARTS, "total"], rows)
     print(f"{device} host ({C.now()}): us per step, median (p90)")
-    print(C.md_table(["shape", "prompt x samples", *PARTS, "total"], rows))
-    if a.out:
+    print(table)
+    if device.type == "cuda" and not a.quick:  # (a GPU machine's host: with its other results)
+        C.save_results(device, BENCH, results, f"## Host time of a steady cascade decode step ({C.gpu_name(device)}'s "
+                       f"host, {C.now()})\n\nus per step, median (p90), no model (bench_host_step.py).\n\n{table}\n",
+                       a.out)
+    elif a.out:
         with open(a.out, "w") as f:
             json.dump({"device": str(device), "date": C.now(), "results": results}, f, indent=2)
 
