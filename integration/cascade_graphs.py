@@ -76,7 +76,7 @@ class CascadeGraphs:
         plans = self._plan(batch, inp)
         if any(p.is_flat for p in plans.values()):
             return None
-        mode = SampleMode() if draw is None or self.sample is None else draw[0].mode  # (fixed by the graph too)
+        mode = SampleMode() if draw is None else draw[0].mode  # (fixed by the graph too)
         key = (mode, *((w, p.launch_key()) for w, p in plans.items()))
         if mark is not None:
             mark()
