@@ -5,10 +5,13 @@ Per row: greedy (temperature 0: argmax of the raw logits) or, for temperature > 
 definitions in vLLM's order: logits / T; min-p (drop tokens with p < min_p * p_max); top-k (keep
 every token whose logit is >= the k-th largest: tokens tied with the k-th all stay); top-p over
 what is left, renormalised (keep a token while the mass of the tokens strictly more likely than it
-is < top_p: tied tokens stay or go together, and the most likely token always stays); one draw. Draws use the Gumbel-max trick with noise from a counter-based hash of (request seed,
-sample index, output position, token id) instead of a stateful generator: a sample depends only
-on its own seed, logits and position - not on the batch it runs in, nor on preemption - and a
-seeded request is reproducible without a generator object per request.
+is < top_p: tied tokens stay or go together, and the most likely token always stays; the masses
+summed in fp64, paged_backend/top_p.py); one draw. Each filter raises a per-row floor, and one mask
+drops the tokens below it: no row is sorted on the GPU. Draws use the Gumbel-max trick with noise
+from a counter-based hash of (request seed, sample index, output position, token id) instead of a
+stateful generator: a sample depends only on its own seed, logits and position - not on the batch
+it runs in, nor on preemption - and a seeded request is reproducible without a generator object
+per request.
 
 The log-probability of the sampled token (for ``cumulative_logprob``) and the optional top-k
 log-probabilities come from the raw logits (log_softmax before temperature and filtering), as
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 
 from paged_backend.gumbel import M32, gumbel_argmax, gumbel_sample, mix32, vocab_hash
+from paged_backend.top_p import top_p_floor
 
 from .step import to_device
 
@@ -105,9 +109,7 @@ class Sampler:
         use_k = (rows.top_k > 0) & (rows.top_k < v)
         use_p = rows.top_p < 1.0
         k_max = int(rows.top_k[use_k].max()) if use_k.any() else 0
-        # the rows' top-k window: each row with top-p needs a top-k (else its tokens are sorted)
-        narrow = 0 < k_max <= TOP_K_WIDTH_MAX and not (use_p & ~use_k).any()
-        width = 1 << (k_max - 1).bit_length() if narrow else 0  # (a few widths: a few graphs)
+        width = 1 << (k_max - 1).bit_length() if k_max else 0  # (a few widths: a few graphs)
         mode = SampleMode(bool(greedy.any()), bool(greedy.size) and bool(greedy.all()), bool((rows.min_p > 0).any()),
                           bool(use_k.any()), bool(use_p.any()), min(int(rows.num_logprobs), v), width)
         st = SampleSettings(mode, np.where(use_k, rows.top_k, v).astype(np.int64),
@@ -128,12 +130,8 @@ class Sampler:
         tokens = torch.argmax(logits, dim=-1) if mode.any_greedy else None
         if not mode.all_greedy:
             x = logits / temp[:, None]
-            if mode.any_min_p:
-                x = _min_p(x, min_p)
-            if mode.top_k_width:
-                x = _top_k_window(x, k, top_p if mode.any_p else None, mode.top_k_width)
-            elif mode.any_k or mode.any_p:
-                x = _top_k_top_p(x, k, top_p if mode.any_p else None)
+            if mode.any_min_p or mode.any_k or mode.any_p:  # each filter raises the rows' floors [S]
+                x = x.masked_fill(x < _floors(x, mode, k, min_p, top_p)[:, None], float("-inf"))
             # Gumbel-max: argmax(x + g) with g = -log(-log(u)), u uniform in (0, 1) from the hash
             drawn = gumbel_argmax(x, key, self._vocab_hash)
             tokens = drawn if tokens is None else torch.where(greedy, tokens, drawn)
@@ -145,18 +143,12 @@ class Sampler:
         return out
 
 
-# where every row with top-p has a top-k of at most this, each row's threshold comes from torch.topk of a
-# power-of-two width >= every k (vLLM's sampler does so for top-k alone) instead of a sort of the rows
-TOP_K_WIDTH_MAX = 1024
-
-
 @dataclass(frozen=True)
 class SampleMode:
     """Which steps a batch's draw runs (what a CUDA graph of it fixes): any greedy row, every row
     greedy, any min-p, top-k or top-p row, the top log-probabilities returned per row, and the width
-    of the ``torch.topk`` that finds each row's k-th largest value and the tokens its top-p chooses
-    from (a power of two >= every row's k, where every row with top-p has a top-k; 0: the rows are
-    sorted)."""
+    of the ``torch.topk`` that finds each row's k-th largest value (a power of two >= every row's k;
+    0 without top-k)."""
     any_greedy: bool = False
     all_greedy: bool = False
     any_min_p: bool = False
@@ -184,57 +176,18 @@ class SampleSettings:
     greedy: np.ndarray
 
 
-def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """x [S, V] without the tokens under ``min_p [S]`` times the most likely one's probability."""
-    # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p)
-    floor = x.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
-    return x.masked_fill(x < floor, float("-inf"))
-
-
-def _top_k_window(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor | None, width: int) -> torch.Tensor:
-    """:func:`_top_k_top_p` bit for bit from each row's ``width`` largest values instead of a sort of
-    the rows: ``width`` >= every k < V, and every row with top-p (``top_p [S]``, inf = off; None:
-    none) has a top-k. The rows as that sort would give them, cut after top-k, are rebuilt from the
-    window - the kept values are the window's then copies of the k-th (tokens tied with it beyond the
-    window) - so top-p's softmax and cumsum run on the same [S, V] values and round the same; the
-    kept tokens are then those >= the last kept value (a tie group stays or goes whole)."""
-    s, v = x.shape
-    w = min(width, v)
-    top = torch.topk(x, w, dim=-1).values  # [S, W] descending
-    kth = top.gather(1, k.clamp(max=w)[:, None] - 1)  # [S, 1]
-    kth = torch.where(k[:, None] < v, kth, float("-inf"))  # (rows without top-k keep every token)
-    if top_p is None:
-        return x.masked_fill(x < kth, float("-inf"))
-    count = (x >= kth).sum(dim=-1, keepdim=True)  # [S, 1] tokens top-k keeps
-    rank = torch.arange(v, device=x.device).expand(s, v)
-    # _top_k_top_p's srt.masked_fill(drop, -inf): the window, then the k-th's ties, then -inf
-    srt = torch.cat([top, kth.expand(s, v - w)], dim=1).masked_fill(rank >= count, float("-inf"))  # [S, V]
-    kept = ~_top_p_drop(srt, rank, top_p)  # a prefix of each row
-    last = srt.gather(1, kept.sum(dim=-1, keepdim=True) - 1)  # [S, 1] (the most likely token always stays)
-    last = torch.where(k[:, None] < v, last, float("-inf"))  # (rows without top-k have no top-p: all stay)
-    return x.masked_fill(x < last, float("-inf"))
-
-
-def _top_p_drop(srt: torch.Tensor, rank: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """[S, V] bool: the sorted rows' tokens (``srt`` descending, tokens top-k dropped at -inf) that
-    top-p drops, or -inf: a token goes when the mass of the tokens strictly more likely than it is
-    >= ``top_p [S]`` (the mass ahead of its tie group's first member). The masses are made
-    non-decreasing (``cumsum(p) - p`` can step back by an ulp), so the kept tokens are a prefix."""
-    p = torch.softmax(srt, dim=-1)
-    before = torch.cumsum(p, dim=-1) - p  # mass of the tokens sorted ahead
-    starts = torch.ones_like(srt, dtype=torch.bool)
-    starts[:, 1:] = srt[:, 1:] != srt[:, :-1]
-    first = torch.cummax(torch.where(starts, rank, 0), dim=-1).values
-    ahead = torch.cummax(before.gather(1, first), dim=-1).values  # (the most likely tokens have 0 ahead)
-    return (ahead >= top_p[:, None]) | (srt == float("-inf"))
-
-
-def _top_k_top_p(x: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
-    """x [S, V] with top-k (``k [S]``, V = off) then top-p (``top_p [S]``, inf = off) as -inf."""
-    v = x.shape[1]
-    srt, idx = torch.sort(x, dim=-1, descending=True)  # [S, V]
-    drop = srt < srt.gather(1, k[:, None] - 1)  # below the k-th largest (ties with it stay)
-    if top_p is not None:
-        drop |= _top_p_drop(srt.masked_fill(drop, float("-inf")), torch.arange(v, device=x.device).expand_as(srt),
-                            top_p)
-    return x.scatter(1, idx, srt.masked_fill(drop, float("-inf")))
+def _floors(x: torch.Tensor, mode: SampleMode, k: torch.Tensor, min_p: torch.Tensor,
+            top_p: torch.Tensor) -> torch.Tensor:
+    """[S] fp32: the least value each row of ``x [S, V]`` keeps, after min-p (p >= min_p * p_max,
+    i.e. x >= x_max + log(min_p)), top-k (x >= the k-th largest: ties with it stay; the k-th of
+    the min-p survivors is the k-th of the row where it survives min-p) and top-p over what is left."""
+    floor = torch.full((x.shape[0],), float("-inf"), device=x.device)
+    if mode.any_min_p:
+        floor = x.max(dim=-1).values + torch.log(min_p)
+    if mode.any_k:  # the k-th largest from a torch.topk of a power-of-two width >= every k, not a sort
+        top = torch.topk(x, min(mode.top_k_width, x.shape[1]), dim=-1).values  # [S, W] descending
+        kth = top.gather(1, (k.clamp(max=top.shape[1]) - 1)[:, None])[:, 0]
+        floor = torch.maximum(floor, torch.where(k < x.shape[1], kth, float("-inf")))
+    if mode.any_p:
+        floor = top_p_floor(x, floor, top_p)
+    return floor
