@@ -3,8 +3,8 @@ the default settings (temperature alone: one pass) and with each filter, greedy 
 log-probabilities, from bf16 logits. Eager (``Sampler.__call__``: the noise keys uploaded, each op
 launched from the host; the settings' device copies kept, as for the steps of one decode batch) and, on a GPU, the draw alone replayed from a CUDA graph
 (``Sampler.sample``, as the engine's decode graphs hold it); the graph's tokens are checked against
-the eager call's first. Top-k rows (with or without top-p) are timed in a graph from sorted rows
-too, the path the top-k window replaced: the same tokens, checked.
+the eager call's first. (The sorted rows that top-k and top-p read before: run this script of an
+earlier commit in the same session for the A/B, as benchmarks/results/h200.md's table says.)
 
     python3 benchmarks/bench_sampler.py [--quick] [--out R.json] [--md R.md]
 
@@ -13,7 +13,6 @@ Rows x vocabulary: 64 x 49152 (SmolLM2), 64 x 128256 (Llama 3). us per draw.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -28,7 +27,8 @@ BENCH = "sampler"
 CASES = [(64, 49152), (64, 128256)]
 # mode name -> the rows' settings besides temperature 1
 MODES = {"temperature": {}, "greedy": dict(temperature=0.0), "top-k 50": dict(top_k=50), "top-p 0.9": dict(top_p=0.9),
-         "top-k 50 + top-p 0.9": dict(top_k=50, top_p=0.9), "min-p 0.05": dict(min_p=0.05),
+         "top-p 0.95": dict(top_p=0.95), "top-k 50 + top-p 0.9": dict(top_k=50, top_p=0.9), "min-p 0.05": dict(min_p=0.05),
+         "min-p 0.05 + top-p 0.9": dict(min_p=0.05, top_p=0.9),
          "5 top log-probs": dict(num_logprobs=5)}
 
 
@@ -58,16 +58,9 @@ def main() -> None:
             st = sampler.settings(r)
             args = [torch.from_numpy(x).to(device) for x in (st.k, st.temp, st.min_p, st.top_p, st.greedy)]
             key = torch.from_numpy(r.key.astype(np.int64)).to(device)
-            # (top-k rows: the same draw from sorted rows too, the path the top-k window replaced)
-            modes = [st.mode] + ([dataclasses.replace(st.mode, top_k_width=0)] if st.mode.top_k_width else [])
-            for mode in modes:
-                if not torch.equal(sampler.sample(logits, mode, *args, key).tokens, want.tokens):
-                    raise SystemExit(f"{s} x {v}, {name}: Sampler.sample drew other tokens than the sampler ({mode})")
+            if not torch.equal(sampler.sample(logits, st.mode, *args, key).tokens, want.tokens):
+                raise SystemExit(f"{s} x {v}, {name}: Sampler.sample drew other tokens than the sampler")
             graph = C.graph_time_us([lambda: sampler.sample(logits, st.mode, *args, key)]) if device.type == "cuda" else None
-            if len(modes) > 1 and device.type == "cuda":
-                t = C.graph_time_us([lambda: sampler.sample(logits, modes[1], *args, key)])
-                rows.append([f"{s} x {v}", f"{name} (rows sorted)", "", f"{t:.1f}"])
-                results[f"{s}x{v}:{name} (rows sorted)"] = dict(eager_us=None, graph_us=t)
             rows.append([f"{s} x {v}", name, f"{eager:.1f}", "" if graph is None else f"{graph:.1f}"])
             results[f"{s}x{v}:{name}"] = dict(eager_us=eager, graph_us=graph)
     print(C.gpu_name(device) if device.type == "cuda" else "cpu (a smoke run)")
