@@ -100,7 +100,7 @@ def _top_p_pass_kernel(x_ptr, floor_ptr, top_p_ptr, pmax_ptr, bracket_ptr, mass_
         acc = tl.zeros([BLOCK_S, BLOCK_V, NC], tl.float64)
         live = r_ok & (hi > lo)  # (a settled row needs no masses)
         if tl.max(live.to(tl.int32), 0) > 0:
-            cut = (lo[:, None] + ((hi - lo)[:, None] * j[None, :]) // NC).to(tl.int32)  # [BLOCK_S, NC]
+            cut32 = (lo[:, None] + ((hi - lo)[:, None] * j[None, :]) // NC).to(tl.int32)  # [BLOCK_S, NC]
             m_safe = tl.where(m == float("-inf"), 0.0, m)  # (nothing kept: every mass 0, no NaN)
             for start in range(chunk * CHUNK, tl.minimum(V, (chunk + 1) * CHUNK), BLOCK_V):
                 v = start + tl.arange(0, BLOCK_V)
@@ -111,7 +111,7 @@ def _top_p_pass_kernel(x_ptr, floor_ptr, top_p_ptr, pmax_ptr, bracket_ptr, mass_
                     e = libdevice.exp(x - m_safe[:, None])
                 else:  # (the interpreter has no libdevice)
                     e = tl.exp(x - m_safe[:, None])
-                above = (_key(x)[:, :, None] > cut[:, None, :]) | (j == 0)[None, None, :]
+                above = (_key(x)[:, :, None] > cut32[:, None, :]) | (j == 0)[None, None, :]
                 acc += tl.where(above, e.to(tl.float64)[:, :, None], 0.0)
         at = (PASS % 2) * S * SPLIT * NC + (rows[:, None] * SPLIT + chunk) * NC + j[None, :]
         tl.store(mass_ptr + at, tl.sum(acc, 1), mask=r_ok[:, None])
