@@ -9,7 +9,6 @@ Shapes: SmolLM2-135M (576 -> 576/192/192, 576 -> 2 x 1536), Llama-3-8B (4096 -> 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -37,11 +36,8 @@ def layer_sets(hidden: int, widths: list, layers: int, device, dtype):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = C.parser(__doc__)
     p.add_argument("--rows", default="1,64,256", help="decode rows (tokens) per step")
-    p.add_argument("--quick", action="store_true", help="small shapes (CPU smoke run)")
-    p.add_argument("--out", help="results JSON (default benchmarks/results/<gpu>.json; none with --quick)")
-    p.add_argument("--md", help="markdown (default benchmarks/results/<gpu>.md)")
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

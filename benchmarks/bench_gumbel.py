@@ -9,7 +9,6 @@ Rows x vocabulary: 64 x 128256 (Llama 3), 64 x 49152 (SmolLM2), 256 x 128256. us
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -24,10 +23,7 @@ CASES = [(64, 128256), (64, 49152), (256, 128256)]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small shapes (CPU smoke run)")
-    p.add_argument("--out", help="results JSON (default benchmarks/results/<gpu>.json; none with --quick)")
-    p.add_argument("--md", help="markdown (default benchmarks/results/<gpu>.md)")
+    p = C.parser(__doc__)
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows, results = [], {}

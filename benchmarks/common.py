@@ -275,6 +275,17 @@ def write_json(path: str, bench: str, payload: dict) -> None:
     os.replace(tmp, path)
 
 
+def parser(doc: str) -> "argparse.ArgumentParser":
+    """A small benchmark's command line: ``--quick`` (a CPU smoke run) and where its results go
+    (``--out``/``--md``, read by :func:`save_results`); the benchmark adds its own options."""
+    import argparse
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small shapes (CPU smoke run)")
+    p.add_argument("--out", help="results JSON (default benchmarks/results/<gpu>.json; none with --quick)")
+    p.add_argument("--md", help="markdown (default benchmarks/results/<gpu>.md)")
+    return p
+
+
 def save_results(device, bench: str, cases: dict, text: str, out: str | None = None, md: str | None = None) -> None:
     """A small benchmark's results: ``{"when", "gpu", "versions", "cases"}`` into the JSON file
     (default ``benchmarks/results/<gpu>.json``) and ``text`` as its section of the markdown file."""
