@@ -31,8 +31,9 @@ from paged_backend.kernels.dispatch import INTERPRET, num_sms
 NC = 16      # column 0: the row's mass Z; 1..15: the mass above each cut of the bracket
 PASSES = 9   # each pass leaves at most ceil(w / 16) of a bracket of width w: 2^32 -> 0 in 9
 # values a program reads at once ([rows, values, NC] fp64 partial sums in registers); the interpreter
-# runs a program's block as one numpy operation, so it takes larger blocks (fewer programs)
-BLOCK = 4096 if INTERPRET else 256
+# runs a program's block as one numpy operation, so it takes far larger blocks (fewer programs: the
+# sampler's 20,000-row tests 5x faster)
+BLOCK = 65536 if INTERPRET else 256
 
 
 @triton.jit
