@@ -39,7 +39,14 @@ def top_p_floor_torch(x: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor)
     """The same floors from each row sorted: the mass ahead of each tie group, an fp64 cumsum."""
     neg = float("-inf")
     x = torch.where(x >= floor[:, None], x, neg)
-    srt = torch.sort(torch.where(x == 0, 0.0, x), dim=-1, descending=True).values  # [S, V] (-0.0 ties +0.0)
+    x = torch.where(x == 0, 0.0, x)  # (-0.0 ties +0.0)
+    # on the CPU (no device to wait for) only as many values as a row keeps at most are sorted; on a
+    # GPU this version is the search's reference, without a sync (a CUDA graph holds it)
+    w = max(1, int((x > neg).sum(dim=-1).max())) if x.device.type == "cpu" else x.shape[1]
+    if w < x.shape[1]:
+        srt = torch.topk(x, w, dim=-1).values  # [S, W] descending
+    else:
+        srt = torch.sort(x, dim=-1, descending=True).values  # [S, V]
     m = srt[:, :1]
     e = torch.exp(srt - torch.where(m == neg, 0.0, m)).double()  # [S, V]
     before = torch.cumsum(e, dim=-1) - e  # mass of the tokens sorted ahead (exact enough in fp64)

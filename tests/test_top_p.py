@@ -94,15 +94,18 @@ def test_floors_of_language_model_rows(device):
 
 
 def test_the_torch_version_is_the_rule():
-    """The torch version (the CPU engine's path) on the tie-heavy and long-tail rows of the tests above."""
+    """The torch version (the CPU engine's path) on the tie-heavy and long-tail rows of the tests above,
+    with and without a floor on every row (then the CPU sorts only as many values as a row keeps)."""
     g = torch.Generator().manual_seed(2)
     x = torch.cat([torch.randint(-4, 5, (6, 400), generator=g).float() / 2, lm_rows(6, 400, 1.0, g)])
     x[1, 7:] = float("-inf")
     floor = torch.full((12,), float("-inf"))
     floor[2] = 0.5
+    kth = torch.topk(x, 30, dim=-1).values[:, -1]  # (every row floored: the CPU sorts only what rows keep)
     for p in (1e-6, 0.4, 0.9, float("inf")):
         top_p = torch.full((12,), p)
         assert check_rows(x, floor, top_p, top_p_floor_torch(x, floor, top_p)) >= 10
+        assert check_rows(x, kth, top_p, top_p_floor_torch(x, kth, top_p)) >= 10
 
 
 def test_off_rows_keep_their_floor_and_empty_inputs():
