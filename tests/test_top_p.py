@@ -108,6 +108,18 @@ def test_the_torch_version_is_the_rule():
         assert check_rows(x, kth, top_p, top_p_floor_torch(x, kth, top_p)) >= 10
 
 
+def test_strided_rows():
+    """Rows of a wider tensor (a row stride other than V) and a column-strided view give the floors of
+    their contiguous copies."""
+    g = torch.Generator().manual_seed(6)
+    big = lm_rows(4, 700, 1.0, g)
+    floor, top_p = torch.full((4,), float("-inf")), torch.full((4,), 0.8)
+    want = top_p_floor(big[:, :500].contiguous(), floor, top_p)
+    assert torch.equal(top_p_floor(big[:, :500], floor, top_p), want)
+    assert torch.equal(top_p_floor(big[:, :1000:2][:, :250], floor, top_p),
+                       top_p_floor(big[:, :1000:2][:, :250].contiguous(), floor, top_p))
+
+
 def test_off_rows_keep_their_floor_and_empty_inputs():
     x = torch.randn(3, 50)
     floor = torch.tensor([float("-inf"), 0.1, -0.3])
