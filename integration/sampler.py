@@ -181,9 +181,10 @@ def _floors(x: torch.Tensor, mode: SampleMode, k: torch.Tensor, min_p: torch.Ten
     """[S] fp32: the least value each row of ``x [S, V]`` keeps, after min-p (p >= min_p * p_max,
     i.e. x >= x_max + log(min_p)), top-k (x >= the k-th largest: ties with it stay; the k-th of
     the min-p survivors is the k-th of the row where it survives min-p) and top-p over what is left."""
-    floor = torch.full((x.shape[0],), float("-inf"), device=x.device)
     if mode.any_min_p:
         floor = x.max(dim=-1).values + torch.log(min_p)
+    else:
+        floor = torch.full((x.shape[0],), float("-inf"), device=x.device)
     if mode.any_k:  # the k-th largest from a torch.topk of a power-of-two width >= every k, not a sort
         top = torch.topk(x, min(mode.top_k_width, x.shape[1]), dim=-1).values  # [S, W] descending
         kth = top.gather(1, (k.clamp(max=top.shape[1]) - 1)[:, None])[:, 0]

@@ -40,11 +40,8 @@ class BlockManager:
         self.hash_fn = hash_fn
         self.bytes_per_block = bytes_per_block
         self.ref = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks  # set while in hash_to_block
-        self.block_key: list[tuple | None] = [None] * num_blocks  # (parent_uid, tokens)
-        self.block_uid = [-1] * num_blocks                         # content id, -1 = none
+        self._forget_contents()
         self._next_uid = 0
-        self.hash_to_block: dict[int, int] = {}
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_held = 0  # sum of ref counts = (sequence, block) holdings
         self.table = np.zeros((64, 64), np.int32)  # [rows, max_blocks]; a row per live sequence
@@ -354,10 +351,16 @@ class BlockManager:
         Only while no sequence holds a block (between engine calls; as vLLM's): -> whether it did."""
         if self.num_held:
             return False
-        self.hash_to_block.clear()
-        n = self.num_blocks
-        self.block_hash, self.block_key, self.block_uid = [None] * n, [None] * n, [-1] * n
+        self._forget_contents()
         return True
+
+    def _forget_contents(self) -> None:
+        """No block's content known: the prefix cache's index empty."""
+        n = self.num_blocks
+        self.block_hash: list[int | None] = [None] * n  # set while in hash_to_block
+        self.block_key: list[tuple | None] = [None] * n  # (parent_uid, tokens)
+        self.block_uid = [-1] * n                        # content id, -1 = none
+        self.hash_to_block: dict[int, int] = {}
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
