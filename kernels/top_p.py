@@ -6,7 +6,7 @@ of the tokens >= ``floor_in`` (tied tokens stay or go together). So the kept tok
 ``>= t``, with ``t`` the smallest value whose mass strictly above it is < ``top_p * Z``. The search
 for ``t`` runs over int32 keys ordered as the fp32 values (``-0.0`` read as ``+0.0``: they tie);
 each pass sums the masses above ``NC - 1`` keys that cut the row's bracket ``[lo, hi]`` into ``NC``
-parts, so 9 passes of 16 settle any bracket of 32-bit keys (a sort of 64 x 128K values cost ~2 ms).
+parts, so 8 passes of 16 settle any bracket of 32-bit keys (a sort of 64 x 128K values cost ~2 ms).
 
 The masses are libdevice's ``expf`` (torch's CUDA ``exp``: the same bits) of ``x - max`` summed in
 fp64: the kept set is the rule's up to the fp32 exponentials' rounding, where an fp32 cumsum over
@@ -29,11 +29,12 @@ from triton.language.extra import libdevice
 from paged_backend.kernels.dispatch import INTERPRET, num_sms
 
 NC = 16      # column 0: the row's mass Z; 1..15: the mass above each cut of the bracket
-PASSES = 9   # each pass leaves at most ceil(w / 16) of a bracket of width w: 2^32 -> 0 in 9
-# values a program reads at once ([rows, values, NC] fp64 partial sums in registers); the interpreter
+PASSES = 8   # each pass leaves at most w / 16 of a bracket of width w: any of int32 keys (< 2^32) -> 0 in 8
+# values a program reads at once ([rows, NC, values] fp64 partial sums in registers); the interpreter
 # runs a program's block as one numpy operation, so it takes far larger blocks (fewer programs: the
 # sampler's 20,000-row tests 5x faster)
 BLOCK = 65536 if INTERPRET else 256
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -98,7 +99,10 @@ def _top_p_pass_kernel(x_ptr, floor_ptr, top_p_ptr, pmax_ptr, bracket_ptr, mass_
         if chunk == 0:
             tl.store(bracket_ptr + (PASS % 2) * S * 2 + rows * 2, lo, mask=r_ok)
             tl.store(bracket_ptr + (PASS % 2) * S * 2 + rows * 2 + 1, hi, mask=r_ok)
-        acc = tl.zeros([BLOCK_S, BLOCK_V, NC], tl.float64)
+        # [rows, NC, values]: the values along the threads, so each thread converts its values to fp64
+        # once and adds them under every cut (NC along the threads converted each value 16 times
+        # and moved it through shared memory every iteration: 298 instructions a loop vs 173)
+        acc = tl.zeros([BLOCK_S, NC, BLOCK_V], tl.float64)
         live = r_ok & (hi > lo)  # (a settled row needs no masses)
         if tl.max(live.to(tl.int32), 0) > 0:
             cut32 = (lo[:, None] + ((hi - lo)[:, None] * j[None, :]) // NC).to(tl.int32)  # [BLOCK_S, NC]
@@ -112,10 +116,10 @@ def _top_p_pass_kernel(x_ptr, floor_ptr, top_p_ptr, pmax_ptr, bracket_ptr, mass_
                     e = libdevice.exp(x - m_safe[:, None])
                 else:  # (the interpreter has no libdevice)
                     e = tl.exp(x - m_safe[:, None])
-                above = (_key(x)[:, :, None] > cut32[:, None, :]) | (j == 0)[None, None, :]
-                acc += tl.where(above, e.to(tl.float64)[:, :, None], 0.0)
+                above = (_key(x)[:, None, :] > cut32[:, :, None]) | (j == 0)[None, :, None]
+                acc += tl.where(above, e.to(tl.float64)[:, None, :], 0.0)
         at = (PASS % 2) * S * SPLIT * NC + (rows[:, None] * SPLIT + chunk) * NC + j[None, :]
-        tl.store(mass_ptr + at, tl.sum(acc, 1), mask=r_ok[:, None])
+        tl.store(mass_ptr + at, tl.sum(acc, 2), mask=r_ok[:, None])
 
 
 def top_p_floor_triton(x: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -136,10 +140,10 @@ def top_p_floor_triton(x: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor
     out = torch.empty(s, dtype=torch.float32, device=dev)
     grid = (row_blocks, split)
     blocks = dict(BLOCK_S=block_s, BLOCK_V=block_v)
-    _top_p_max_kernel[grid](x, floor, pmax, s, v, split, chunk, x.stride(0), **blocks, num_warps=4)
+    _top_p_max_kernel[grid](x, floor, pmax, s, v, split, chunk, x.stride(0), **blocks, num_warps=NUM_WARPS)
     for p in range(PASSES + 1):
         last = p == PASSES
         _top_p_pass_kernel[(row_blocks, 1) if last else grid](
             x, floor, top_p, pmax, bracket, mass, out, s, v, split, chunk, x.stride(0), PASS=p, LAST=last, NC=NC,
-            SPLIT_P2=triton.next_power_of_2(split), **blocks, LIBDEVICE=not INTERPRET, num_warps=4)
+            SPLIT_P2=triton.next_power_of_2(split), **blocks, LIBDEVICE=not INTERPRET, num_warps=NUM_WARPS)
     return out

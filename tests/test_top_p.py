@@ -168,3 +168,17 @@ def test_rows_cut_into_chunks(monkeypatch):
     for p in (1e-6, 0.3, 0.9, 0.999):
         top_p = torch.full((2,), p)
         assert check_rows(x, floor, top_p, top_p_floor(x, floor, top_p)) == 2, p
+
+
+def test_the_passes_settle_any_bracket_of_int32_keys():
+    """The search's arithmetic (kernels/top_p.py: cuts at lo + (w * j) // NC, j = 1..NC-1) taking the
+    widest part at every pass from the widest bracket there is (-inf's key to +inf's): settled
+    (width 0) after PASSES, so every row's floor is exact whatever its values."""
+    from paged_backend.kernels.top_p import NC, PASSES
+    lo, hi = -2139095041, 2139095040  # the keys of -inf and +inf
+    for _ in range(PASSES):
+        w = hi - lo
+        cuts = [lo + (w * j) // NC for j in range(1, NC)]
+        parts = [(lo, cuts[0])] + [(a + 1, b) for a, b in zip(cuts, cuts[1:])] + [(cuts[-1] + 1, hi)]
+        lo, hi = max(parts, key=lambda p: p[1] - p[0])
+    assert hi - lo <= 0
