@@ -9,7 +9,6 @@ Rows x vocabulary: 64 x 49152 (SmolLM2), 64 x 128256 (Llama 3), 256 x 128256, 1 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -35,11 +34,8 @@ def rows_like_a_model(s: int, v: int, device) -> torch.Tensor:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="small shapes (CPU smoke run)")
+    p = C.parser(__doc__)
     p.add_argument("--sweep", action="store_true", help="time the kernel's BLOCK x NUM_WARPS too")
-    p.add_argument("--out", help="results JSON (default benchmarks/results/<gpu>.json; none with --quick)")
-    p.add_argument("--md", help="markdown (default benchmarks/results/<gpu>.md)")
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows, results = [], {}
