@@ -1,7 +1,8 @@
 """Top-p floors (``paged_backend.top_p``): the Triton search (``kernels/top_p.py``) against the sorted
 fp64 torch version, the same floors checked first; us per call in a CUDA graph, on rows shaped like
 a language model's at temperature 1 with top_p 0.9 (half the rows with a top-k 50 floor too).
-``--sweep`` also times the kernel's values a program reads at once (BLOCK) and warps per program.
+``--sweep`` also times the kernel's values a program reads at once (BLOCK), warps per program and cuts
+per pass (NC: fewer cuts, more passes over the rows).
 
     python3 benchmarks/bench_top_p.py [--quick] [--sweep] [--out R.json] [--md R.md]
 
@@ -21,7 +22,8 @@ from paged_backend.top_p import top_p_floor, top_p_floor_torch  # noqa: E402
 
 BENCH = "top_p"
 CASES = [(64, 49152), (64, 128256), (256, 128256), (1, 128256)]
-SWEEP = [(128, 4), (256, 4), (512, 4), (256, 8), (512, 8), (1024, 8)]  # (BLOCK, NUM_WARPS)
+SWEEP = [(256, 4, 16), (128, 4, 16), (512, 4, 16), (256, 8, 16), (512, 8, 16), (256, 4, 8), (512, 4, 8),
+         (256, 4, 4), (512, 4, 4), (256, 4, 32)]  # (BLOCK, NUM_WARPS, NC)
 
 
 def rows_like_a_model(s: int, v: int, device) -> torch.Tensor:
@@ -51,19 +53,18 @@ def main() -> None:
             rows.append([f"{s} x {v}", "", "", "", ""])
             continue
         sort_us = C.graph_time_us([lambda: top_p_floor_torch(x, floor, top_p)])
-        configs = SWEEP if a.sweep else [(K.BLOCK, K.NUM_WARPS)]
-        default = (K.BLOCK, K.NUM_WARPS)
-        for block, warps in configs:
-            K.BLOCK, K.NUM_WARPS = block, warps
+        default = (K.BLOCK, K.NUM_WARPS, K.NC)
+        for block, warps, nc in SWEEP if a.sweep else [default]:
+            K.BLOCK, K.NUM_WARPS, K.NC = block, warps, nc
             if not torch.equal(top_p_floor(x, floor, top_p), want):
-                raise SystemExit(f"{s} x {v}, BLOCK {block}, {warps} warps: other floors")
+                raise SystemExit(f"{s} x {v}, BLOCK {block}, {warps} warps, NC {nc}: other floors")
             us = C.graph_time_us([lambda: top_p_floor(x, floor, top_p)])
-            tag = f"{block} x {warps}" + (" (default)" if (block, warps) == default else "")
+            tag = f"{block} x {warps} x {nc}" + (" (default)" if (block, warps, nc) == default else "")
             rows.append([f"{s} x {v}", tag, f"{sort_us:.1f}", f"{us:.1f}", f"{sort_us / us:.2f}x"])
-            results[f"{s}x{v}:{block}x{warps}"] = dict(sorted_us=sort_us, search_us=us)
-        K.BLOCK, K.NUM_WARPS = default
+            results[f"{s}x{v}:{block}x{warps}x{nc}"] = dict(sorted_us=sort_us, search_us=us)
+        K.BLOCK, K.NUM_WARPS, K.NC = default
     print(C.gpu_name(device) if device.type == "cuda" else "cpu (a smoke run: floors checked, nothing timed)")
-    table = C.md_table(["rows x vocabulary", "BLOCK x warps", "sorted fp64 (us)", "search (us)", "speed-up"], rows)
+    table = C.md_table(["rows x vocabulary", "BLOCK x warps x NC", "sorted fp64 (us)", "search (us)", "speed-up"], rows)
     print(table)
     if not a.quick and device.type == "cuda":
         C.save_results(device, BENCH, results, f"## Top-p floors ({C.gpu_name(device)}, {C.now()})\n\nus per call "

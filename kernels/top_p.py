@@ -28,8 +28,15 @@ from triton.language.extra import libdevice
 
 from paged_backend.kernels.dispatch import INTERPRET, num_sms
 
-NC = 16      # column 0: the row's mass Z; 1..15: the mass above each cut of the bracket
-PASSES = 8   # each pass leaves at most w / 16 of a bracket of width w: any of int32 keys (< 2^32) -> 0 in 8
+NC = 16  # a power of two: column 0, the row's mass Z; 1..NC-1, the mass above each cut of the bracket
+
+
+def passes(nc: int) -> int:
+    """Passes that settle any bracket of int32 keys (width < 2^32): each leaves at most w / nc of a
+    bracket of width w (8 for 16 cuts)."""
+    return -(-32 // (nc.bit_length() - 1))
+
+
 # values a program reads at once ([rows, NC, values] fp64 partial sums in registers); the interpreter
 # runs a program's block as one numpy operation, so it takes far larger blocks (fewer programs: the
 # sampler's 20,000-row tests 5x faster)
@@ -141,8 +148,9 @@ def top_p_floor_triton(x: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor
     grid = (row_blocks, split)
     blocks = dict(BLOCK_S=block_s, BLOCK_V=block_v)
     _top_p_max_kernel[grid](x, floor, pmax, s, v, split, chunk, x.stride(0), **blocks, num_warps=NUM_WARPS)
-    for p in range(PASSES + 1):
-        last = p == PASSES
+    n = passes(NC)
+    for p in range(n + 1):
+        last = p == n
         _top_p_pass_kernel[(row_blocks, 1) if last else grid](
             x, floor, top_p, pmax, bracket, mass, out, s, v, split, chunk, x.stride(0), PASS=p, LAST=last, NC=NC,
             SPLIT_P2=triton.next_power_of_2(split), **blocks, LIBDEVICE=not INTERPRET, num_warps=NUM_WARPS)

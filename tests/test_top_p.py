@@ -170,15 +170,18 @@ def test_rows_cut_into_chunks(monkeypatch):
         assert check_rows(x, floor, top_p, top_p_floor(x, floor, top_p)) == 2, p
 
 
-def test_the_passes_settle_any_bracket_of_int32_keys():
+@pytest.mark.parametrize("nc", [2, 4, 8, 16, 32])
+def test_the_passes_settle_any_bracket_of_int32_keys(nc):
     """The search's arithmetic (kernels/top_p.py: cuts at lo + (w * j) // NC, j = 1..NC-1) taking the
     widest part at every pass from the widest bracket there is (-inf's key to +inf's): settled
-    (width 0) after PASSES, so every row's floor is exact whatever its values."""
-    from paged_backend.kernels.top_p import NC, PASSES
+    (width 0) after ``passes(NC)``, and not one pass earlier (the count is tight)."""
+    from paged_backend.kernels.top_p import passes
     lo, hi = -2139095041, 2139095040  # the keys of -inf and +inf
-    for _ in range(PASSES):
+    widths = []
+    for _ in range(passes(nc)):
         w = hi - lo
-        cuts = [lo + (w * j) // NC for j in range(1, NC)]
+        cuts = [lo + (w * j) // nc for j in range(1, nc)]
         parts = [(lo, cuts[0])] + [(a + 1, b) for a, b in zip(cuts, cuts[1:])] + [(cuts[-1] + 1, hi)]
         lo, hi = max(parts, key=lambda p: p[1] - p[0])
-    assert hi - lo <= 0
+        widths.append(hi - lo)
+    assert widths[-1] <= 0 < widths[-2]
