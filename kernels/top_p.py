@@ -6,7 +6,8 @@ of the tokens >= ``floor_in`` (tied tokens stay or go together). So the kept tok
 ``>= t``, with ``t`` the smallest value whose mass strictly above it is < ``top_p * Z``. The search
 for ``t`` runs over int32 keys ordered as the fp32 values (``-0.0`` read as ``+0.0``: they tie);
 each pass sums the masses above ``NC - 1`` keys that cut the row's bracket ``[lo, hi]`` into ``NC``
-parts, so 8 passes of 16 settle any bracket of 32-bit keys (a sort of 64 x 128K values cost ~2 ms).
+parts, so ``passes(NC)`` passes settle any bracket of 32-bit keys (11 of 8 cuts; a sort of 64 x 128K values
+cost ~2 ms).
 
 The masses are libdevice's ``expf`` (torch's CUDA ``exp``: the same bits) of ``x - max`` summed in
 fp64: the kept set is the rule's up to the fp32 exponentials' rounding, where an fp32 cumsum over
@@ -28,7 +29,7 @@ from triton.language.extra import libdevice
 
 from paged_backend.kernels.dispatch import INTERPRET, num_sms
 
-NC = 16  # a power of two: column 0, the row's mass Z; 1..NC-1, the mass above each cut of the bracket
+NC = 8  # a power of two: column 0, the row's mass Z; 1..NC-1, the mass above each cut of the bracket
 
 
 def passes(nc: int) -> int:
@@ -39,8 +40,10 @@ def passes(nc: int) -> int:
 
 # values a program reads at once ([rows, NC, values] fp64 partial sums in registers); the interpreter
 # runs a program's block as one numpy operation, so it takes far larger blocks (fewer programs: the
-# sampler's 20,000-row tests 5x faster)
-BLOCK = 65536 if INTERPRET else 256
+# sampler's 20,000-row tests 5x faster). BLOCK 512, 4 warps, 8 cuts (11 passes): the fastest of ten
+# settings on the H200 on 64 and 256 rows of 49,152 and 128,256 values (1.23-1.27x 256 x 4 x 16;
+# one row of 128,256: 43.8 vs 40.6 us; benchmarks/results/sweeps/top_p_layout_sweep_h200.md)
+BLOCK = 65536 if INTERPRET else 512
 NUM_WARPS = 4
 
 
