@@ -11,7 +11,8 @@ prefix once + the suffixes) / time, as % of the copy bandwidth measured in the s
 Also times ``plan_cascade`` on 1024 requests x 2K blocks (host, target < 1 ms), new, with the
 forest of the previous step reused (``forest=``), and with it restricted to the requests left after
 32 finished (``forest_rows=``).
-``--node-programs 66,264`` also times ours with those node grids (plan_cascade's ``node_programs``).
+``--node-programs 66,264`` also times ours with those node grids (plan_cascade's ``node_programs``);
+``--node-tiles 128x2`` with the Hopper node kernel's K/V tiles of 128 keys in 2 stages (``NODE_TILE``).
 Failures (ours or a peer) are recorded, never fatal.
 """
 from __future__ import annotations
@@ -182,6 +183,8 @@ def main():
     p.add_argument("--kv-dtype", choices=["fp8"], help="fp8 (e4m3) caches, bf16 queries (floor counts fp8 bytes)")
     p.add_argument("--node-programs", help="comma-separated node grids to time ours with besides the default "
                                            "(plan_cascade's node_programs: a sweep; rows ours_cascade@N in the JSON)")
+    p.add_argument("--node-tiles", help="comma-separated KEYSxSTAGES of the Hopper node kernel's K/V tiles to time ours "
+                                        "with besides the default (a sweep; rows ours_cascade#KEYSxSTAGES)")
     p.add_argument("--out", help="results JSON; default benchmarks/results/<gpu>.json, none with --quick")
     p.add_argument("--md", help="markdown; default benchmarks/results/<gpu>.md, none with --quick")
     a = p.parse_args()
@@ -195,6 +198,10 @@ def main():
         cases = {k: cases[k] for k in a.cases.split(",")}
     impls = a.impls.split(",") if a.impls else list(IMPLS)
     impls += [f"ours_cascade@{int(n)}" for n in a.node_programs.split(",")] if a.node_programs else []
+    impls += [f"ours_cascade#{t}" for t in a.node_tiles.split(",")] if a.node_tiles else []
+    if a.node_tiles:
+        from paged_backend.kernels import cascade_sm90
+        default_tile = cascade_sm90.NODE_TILE
     bw = C.copy_bandwidth(device)
     print(f"{C.gpu_name(device)}  copy bandwidth {bw:.0f} GB/s  {C.versions()}")
     results = {"device": C.gpu_name(device), "copy_GBps": bw, "versions": C.versions(), "cases": {}}
@@ -226,6 +233,9 @@ def main():
                     res[impl] = {"skipped": "needs CUDA"}
                     continue
                 name_, _, grid = impl.partition("@")
+                name_, _, tile = name_.partition("#")
+                if a.node_tiles:
+                    cascade_sm90.NODE_TILE = tuple(map(int, tile.split("x"))) if tile else default_tile
                 fns, result = IMPLS[name_](case, device, dtype, **({"node_programs": int(grid)} if grid else {}))
                 entry = {}
                 if result is not None:
@@ -268,7 +278,7 @@ def main():
                      *(f"{res[k]:.2f}x" if k in res else "-" for k in
                        ("speedup_vs_ours_flat", "speedup_vs_fi_cascade", "speedup_vs_fi_flat"))])
         print(rows[-1])
-        for impl in (i for i in impls if "@" in i):  # the node-grid sweep
+        for impl in (i for i in impls if "@" in i or "#" in i):  # the node-grid and tile sweeps
             print(f"  {impl}: {cell(impl)}, {res.get(impl, {}).get('node_pieces')} node pieces")
     table = C.md_table(["prefix/n/suffix", "ours cascade", "ours flat", "FI cascade", "FI flat",
                         "vs ours flat", "vs FI cascade", "vs FI flat"], rows)

@@ -24,6 +24,8 @@ descriptors costs far more host time than the kernel takes on short nodes.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -36,6 +38,8 @@ from paged_backend.kernels.attend_sm90 import (ROWS, alloc_rings, attend_tiles, 
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
 
 NODE_BLOCK_M = 128  # the plan tile the kernel takes: CONSUMERS x ROWS rows
+# (keys a K/V tile, ring stages): see node_sm90_config; PAGED_BACKEND_NODE_TILE=KEYSxSTAGES sets them (a sweep)
+NODE_TILE = tuple(int(x) for x in os.environ.get("PAGED_BACKEND_NODE_TILE", "64x3").split("x"))
 
 
 @gluon.jit
@@ -179,7 +183,8 @@ def node_sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     view = covered(q, k_cache, v_cache)
     if view is None:
         return None
-    return dict(block_n=64, page_box=min(k_cache.shape[1], 64), stages=3, view=view, softcap=softcap)
+    block_n, stages = NODE_TILE
+    return dict(block_n=block_n, page_box=min(k_cache.shape[1], 64), stages=stages, view=view, softcap=softcap)
 
 
 def cascade_nodes_sm90(q, k_cache, v_cache, plan, scale: float, cfg: dict, pdl: bool, tails: bool):
