@@ -236,7 +236,7 @@ def cascade_torch(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: fl
     group = hq // hkv
     run_lse = torch.full((b, hq), float("-inf"), dtype=torch.float32)
     run_o = torch.zeros(b, hq, d, dtype=torch.float32)
-    bt = torch.from_numpy(plan.block_table_host.astype("int64"))
+    bt = plan.views["block_table"].long().cpu()  # (the kernels' table: the host one may hold fewer blocks)
     qf = q.float().cpu()
     for members, t0, t1 in plan.nodes():
         mem = torch.from_numpy(members.astype("int64"))

@@ -394,6 +394,51 @@ def test_forest_reuse_after_decode_steps(seed):
         bt, lens = torch.from_numpy(table), torch.from_numpy(new_lens)
 
 
+@pytest.mark.kernel
+@pytest.mark.parametrize("seed", range(6))
+def test_host_table_a_step_late(seed):
+    """``host_lens``: a host table holding each row's blocks as of a step before (the rest zeros in
+    every row, which read as blocks shared by all) plans steps exact on the kernels' table: the
+    shared blocks found are those of the blocks held, fresh and carried over (``forest=``); a forest
+    sharing blocks the host table no longer holds is refused as not held."""
+    rng = np.random.default_rng(7000 + seed)
+    bs = [4, 16][seed % 2]
+    reqs = (long_forest if seed % 2 else random_forest)(rng, bs, max_depth=1 + seed % 3, max_requests=16)
+    q, k, v, bt, lens = forest_inputs(rng, reqs, bs, 8, 2, 64, torch.float32)
+    kw = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=bs, device="cpu", cost=CascadeCost(0, 0, 0))
+    forest, nb = None, k.shape[0]
+    for _ in range(3):
+        table, new_lens, nb = grow(rng, bt, lens, bs, nb)
+        k = torch.cat([k, torch.randn(nb - k.shape[0], *k.shape[1:])])
+        v = torch.cat([v, torch.randn(nb - v.shape[0], *v.shape[1:])])
+        late = np.zeros_like(table)  # the host's copy: last step's blocks only
+        late[:, :bt.shape[1]] = bt.numpy()
+        held = -(-lens.numpy() // bs) * bs
+        late[np.arange(table.shape[1])[None, :] >= (held // bs)[:, None]] = 0
+        dev = torch.from_numpy(table)
+        for carried in (None, forest):
+            cp = pb.plan_cascade(late, new_lens, **kw, block_table_device=dev, host_lens=held, forest=carried)
+            private = (1 << 24) + np.arange(table.size).reshape(table.shape)  # ids no two entries share
+            ref = pb.plan_cascade(np.where(np.arange(table.shape[1])[None, :] < (held // bs)[:, None], table,
+                                           private).astype(np.int32),
+                                  new_lens, **kw, block_table_device=dev, forest=carried) if carried is None else cp
+            assert np.array_equal(cp.shared_len_host, ref.shared_len_host)  # as if the rest were all private
+            assert (cp.shared_len_host <= np.minimum(held, new_lens)).all()
+            check_exact(q, k, v, dev, torch.from_numpy(new_lens.astype(np.int32)), cp, torch.float32)
+        forest, bt, lens = cp, dev, torch.from_numpy(new_lens)
+    q, k, v, bt, lens = forest_inputs(rng, prefix_forest(8, 4, 2), 16, 8, 2, 64, torch.float32)
+    kw["block_size"] = 16
+    forest = pb.plan_cascade(bt, lens, **kw)
+    assert forest.num_nodes
+    with pytest.raises(ValueError, match="shares"):  # the forest's blocks beyond what the host holds
+        pb.plan_cascade(bt, lens, **kw, block_table_device=bt, host_lens=np.zeros(lens.numel(), np.int64), forest=forest)
+    late, held = bt.numpy(), lens.numpy()
+    with pytest.raises(ValueError, match="host_lens needs block_table_device"):
+        pb.plan_cascade(late, held, **kw, host_lens=held)
+    with pytest.raises(ValueError, match="host_lens must hold"):
+        pb.plan_cascade(late, held, **kw, block_table_device=bt, host_lens=held[:-1])
+
+
 @pytest.mark.parametrize("hopper", [False, True])
 @pytest.mark.parametrize("seed", range(12))
 def test_forest_reuse_copies_the_partition_only_when_equal(monkeypatch, seed, hopper):

@@ -79,20 +79,24 @@ class Batch:
 
     def __init__(self, seq_lens, query_lens, block_size, head_size, dtype=torch.float32, device="cpu",
                  share=(), shared_blocks=0, layout="NHD", pad_tokens=0, pad_attn=False, seed=0, fp8=None,
-                 fp8_scale=1.0):
+                 fp8_scale=1.0, table=None, req_idx=None):
         g = torch.Generator().manual_seed(seed)
         self.seq_lens, self.query_lens, self.bs, self.d = list(seq_lens), list(query_lens), block_size, head_size
         b = len(seq_lens)
         nblocks = [-(-s // block_size) for s in seq_lens]
-        owner = {i: grp[0] for grp in share for i in grp}  # a sharing row's prefix blocks are its group's first
-        total = sum(nblocks) + 3
-        ids = torch.randperm(total, generator=g).tolist()  # scattered pages
-        table = torch.zeros(b, max(nblocks), dtype=torch.int32)
-        for i in range(b):
-            for j in range(nblocks[i]):
-                src = owner.get(i, i)
-                table[i, j] = table[src, j] if (src != i and j < shared_blocks) else ids.pop()
-        self.block_table = table
+        if table is None:
+            owner = {i: grp[0] for grp in share for i in grp}  # a sharing row's prefix blocks are its group's first
+            total = sum(nblocks) + 3
+            ids = torch.randperm(total, generator=g).tolist()  # scattered pages
+            table = torch.zeros(b, max(nblocks), dtype=torch.int32)
+            for i in range(b):
+                for j in range(nblocks[i]):
+                    src = owner.get(i, i)
+                    table[i, j] = table[src, j] if (src != i and j < shared_blocks) else ids.pop()
+        else:  # the block ids given (rows in ``share`` must hold the same first ``shared_blocks``)
+            table = torch.as_tensor(table, dtype=torch.int32)
+            total = int(table.max()) + 4
+        self.block_table, self.req_idx = table, req_idx
         physical = (total, block_size, HKV, 2 * head_size) if layout == "NHD" else (total, HKV, block_size, 2 * head_size)
         cache = torch.full(physical, float("nan"), dtype=fp8 or dtype)
         self.kv_cache = cache.transpose(1, 2) if layout == "NHD" else cache  # logical [NB, Hkv, BS, 2D]
@@ -143,7 +147,8 @@ class Batch:
             block_table_tensor=self.block_table, slot_mapping=self.slot_mapping, causal=True,
             seq_lens_cpu_upper_bound=seq,
             is_prefilling=torch.tensor([q > 1 for q in self.query_lens], device=dev),
-            positions=torch.arange(self.num_padded, device=dev))  # (unused by the backend)
+            positions=torch.arange(self.num_padded, device=dev),  # (unused by the backend)
+            req_idx=None if self.req_idx is None else np.asarray(self.req_idx, dtype=np.int32))
 
     def reference(self, scale: float, softcap=None, sinks=None, window=None) -> torch.Tensor:
         """fp64 dense attention of the step's queries over each request's true K/V -> [T, Hq, D]."""
@@ -282,6 +287,74 @@ def test_cascade_forest_carries_over_steps(vllm_config, monkeypatch, device):
         assert builder.planner.reused == (0, 1, 2, 2)[t]
         assert np.diff(plan.node_ptr).tolist() == ([16] if t < 3 else [8, 8])
         check(batch, layers[0], out)
+
+
+def slot_steps():
+    """Steps of Model Runner V2 (rows named by request slots, ``req_idx``): 16 samples of a 64-block
+    prompt in slots 0-15 and two other requests in slots 20 and 21 decode; some samples cross into a
+    block of their own at step 1; at step 2 the rows come reordered and the sample of slot 5 has
+    finished; at step 3 a new request takes slot 5 with the same prompt (vLLM's prefix cache gives it
+    the prompt's blocks) and prefills beside the decodes; at step 4 it decodes too, and its private
+    block has the id the finished sample's was. -> [(seq_lens, query_lens, slots, table rows)]."""
+    bs, shared, rng = 16, 64, np.random.default_rng(3)
+    ids = iter(rng.permutation(4000).tolist())
+    prompt = [next(ids) for _ in range(shared)]
+    lens = {s: shared * bs + n for s, n in enumerate([15, 16, 9, 14, 16, 3, 15, 16, 1, 2, 16, 4, 15, 16, 7, 8])}
+    lens.update({20: 40, 21: 23})
+    rows = {s: (prompt if s < 16 else []) + [next(ids) for _ in range(-(-lens[s] // bs) - (shared if s < 16 else 0))]
+            for s in lens}
+    steps, order = [], list(lens)
+    for t in range(5):
+        if t:
+            for s in order:
+                lens[s] += 1
+                if -(-lens[s] // bs) > len(rows[s]):
+                    rows[s].append(next(ids))
+        if t == 2:
+            order = [s for s in rng.permutation(order).tolist() if s != 5]
+        query = [1] * len(order)
+        if t == 3:  # the new request in slot 5: its prompt's blocks, then one of its own for 5 tokens
+            lens[5], rows[5] = shared * bs + 5, prompt + [rows[5][-1]]
+            order, query = order + [5], query + [shared * bs + 5]
+        if t == 4:
+            order = [5] + order[:-1]
+            query = [1] * len(order)
+        width = max(len(rows[s]) for s in order)
+        table = np.zeros((len(order), width), dtype=np.int32)
+        for i, s in enumerate(order):
+            table[i, :len(rows[s])] = rows[s]
+        steps.append(([lens[s] for s in order], query, order, table))
+    return steps
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("device", DEVICES)
+def test_cascade_from_request_slots_without_sync(vllm_config, monkeypatch, device):
+    """With the rows' request slots (Model Runner V2's ``req_idx``) the cascade plans take the block
+    tables of the steps before (integration/vllm/host_tables.py), never a copy from the device: the
+    first step plans flat (nothing held yet), later ones cascade over the prompt's 64 blocks with the
+    forest carried by slot through a reorder and a finished request, a request new in a slot joins
+    once its prefill step ran; every step matches the reference."""
+    from paged_backend.integration.vllm import builder as B
+    monkeypatch.setenv("PAGED_BACKEND_CASCADE", "1")
+    monkeypatch.setattr(B, "_table_from_device", lambda table: pytest.fail("the table was copied from the device"))
+    layers = make_layers(vllm_config, 128)
+    builder = None
+    for t, (seq_lens, query_lens, slots, table) in enumerate(slot_steps()):
+        share = [[i for i, s in enumerate(slots) if s < 16 or (s == 5 and t >= 3)]]
+        batch = Batch(seq_lens, query_lens, 16, 128, device=device, share=share, shared_blocks=64, table=table,
+                      req_idx=slots, seed=t)
+        md, builder, (out,) = run_step(vllm_config, layers, batch, builder)
+        plan = md.plans[None]
+        if t == 0:
+            assert isinstance(plan, pb.DecodePlan)
+        else:
+            assert isinstance(plan, pb.CascadePlan) and not plan.is_flat
+            members = sorted(np.asarray(slots)[plan.node_members].tolist())
+            assert members == sorted(s for s in slots[:plan.batch_size] if s < 16), t
+            assert plan.node_end.tolist() == [64 * 16]
+        check(batch, layers[0], out)
+    assert builder.planner.reused == 2  # steps 2 (restricted: slot 5 gone) and 3 (anew at 4: a new row)
 
 
 @pytest.mark.kernel

@@ -14,13 +14,16 @@ steps keep one plan: their batch sizes change step by step, and a plan per size 
 workspace per size. A cascade
 plan cannot (its buffers follow its forest): where vLLM may replay a full decode graph (full decode
 graphs on and the batch within the captured sizes), decode-only batches take the flat plan.
-A cascade plan needs the block table on the host, which vLLM's metadata does not carry: eager steps
-with two or more decode rows copy its first column from the device (a sync), and the whole table
-only when some rows share a first block (costs measured in docs/vllm.md). The plan starts from the
-last step's forest (``CascadePlanner``, rows known by their place in the batch) where that forest
-still holds in the table - vLLM gives no request ids, so a reused node is checked on the table (each
-member still holds its last block: a block held at one place by two rows has one prefix, vLLM's
-prefix cache chains them) and the step is planned anew where one does not.
+A cascade plan needs the block table on the host, which vLLM's metadata does not carry. Where the
+metadata names each row's request slot (``req_idx``: Model Runner V2, vLLM 0.33's default on GPUs) the
+plan takes the rows as the last step that ran each request left them, copied back without a sync
+(:mod:`.host_tables`; every build queues its table's copy); elsewhere eager steps with two or more
+decode rows copy the table's first column from the device (a sync), and the whole table only when
+some rows share a first block (costs measured in docs/vllm.md). The plan starts from the last step's
+forest (``CascadePlanner``, rows known by their slots, else by their place in the batch) where that
+forest still holds in the table - a reused node is checked on the table (each member still holds its
+last block: a block held at one place by two rows has one prefix, vLLM's prefix cache chains them)
+and the step is planned anew where one does not.
 ``PAGED_BACKEND_CASCADE=0`` turns cascade off. Layers with a sliding window get plans of their
 window (one per distinct window among the builder's layers: vLLM gives sliding-window layers KV
 cache groups, and builders, of their own).
@@ -41,6 +44,8 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 import paged_backend as pb
 from paged_backend.cascade import CascadeCost
 from paged_backend.cascade.planner import CascadePlanner
+
+from .host_tables import HostTables
 
 
 @dataclass
@@ -96,6 +101,7 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         self._graph_plans: dict[tuple, pb.DecodePlan] = {}  # per (captured batch size, window)
         self._eager_plans: dict = {}  # per window
         self.planner = CascadePlanner(self.windows, **self.shape)
+        self.host_tables = HostTables()  # the rows of the steps before, by request slot (req_idx)
         self.plans_made = 0  # steps planned (tests: one per step, whatever the number of layers)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -112,26 +118,46 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
             pqsl = cm.query_start_loc[nd:b + 1] - ndt
             pqsl_host = cm.query_start_loc_cpu[nd:b + 1].numpy() - ndt
         block_table = cm.block_table_tensor[:b]
-        plans = self._plans(block_table[:nd], lens[:nd], graphable=npf == 0 and nd <= self.graph_rows) if nd else {}
+        slots = self._slots(cm.req_idx, b, block_table)
+        plans = self._plans(block_table[:nd], lens[:nd], graphable=npf == 0 and nd <= self.graph_rows,
+                            slots=None if slots is None else slots[:nd]) if nd else {}
+        if slots is not None:  # (after the plan: it takes the steps before this one's)
+            self.host_tables.send(block_table, slots, -(-lens // self.shape["block_size"]))
         return PagedAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens, num_decodes=nd, num_decode_tokens=ndt, num_prefills=npf,
             seq_lens=cm.seq_lens[:b], block_table=block_table, prefill_query_start_loc=pqsl,
             prefill_query_start_loc_host=pqsl_host, plans=plans)
 
-    def _plans(self, block_table: torch.Tensor, lens: np.ndarray, graphable: bool) -> dict:
+    def _slots(self, req_idx, b: int, block_table: torch.Tensor) -> np.ndarray | None:
+        """The rows' request slots where the metadata gives them and cascade may run (not inside a
+        CUDA graph capture: a copy queued there would be captured), else None."""
+        if not self.cascade or req_idx is None or len(req_idx) < b:
+            return None
+        if block_table.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        return np.asarray(req_idx[:b], dtype=np.int64)
+
+    def _plans(self, block_table: torch.Tensor, lens: np.ndarray, graphable: bool, slots=None) -> dict:
         """Per window: a CascadePlan when decode rows share leading full blocks (and no graph may
-        replay the step), else a DecodePlan of this batch size refilled for ``lens``."""
+        replay the step), else a DecodePlan of this batch size refilled for ``lens``. ``slots [B]``:
+        the rows' request slots (the host table from the steps before), or None."""
         self.plans_made += 1
         nd = lens.size
-        table = None
-        # vLLM gives no host block table: copies from the device, each a sync (see the module doc);
-        # first the first column, as rows that share no first block share nothing
-        if self.cascade and nd >= 2 and not graphable and np.unique(block_table[:, 0].cpu().numpy()).size < nd:
-            table = block_table.cpu().numpy()
+        table = held = None
+        if self.cascade and nd >= 2 and not graphable:
+            if slots is not None:  # the rows as the steps before left them: no sync (see the module doc)
+                table, blocks = self.host_tables.take(slots, -(-int(lens.max()) // self.shape["block_size"]))
+                held = blocks * self.shape["block_size"]
+                first = table[blocks > 0, 0]
+                if np.unique(first).size == first.size:  # rows that share no first block share nothing
+                    table = None
+            else:
+                table = _table_from_device(block_table)
         if table is None:
             self.planner.reset()
         else:
-            cplans = self.planner.plans(table, lens, np.arange(nd), block_table, self.cascade_cost, checked=True)
+            ids = np.arange(nd) if slots is None else slots
+            cplans = self.planner.plans(table, lens, ids, block_table, self.cascade_cost, checked=True, host_lens=held)
         plans = {}
         for w in self.windows:
             if table is not None and not cplans[w].is_flat:
@@ -147,3 +173,11 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
             else:
                 self._eager_plans[w] = plan
         return plans
+
+
+def _table_from_device(block_table: torch.Tensor) -> np.ndarray | None:
+    """The decode rows' table copied from the device - a sync each copy: first the first column, as rows
+    that share no first block share nothing (None), then the table."""
+    if np.unique(block_table[:, 0].cpu().numpy()).size == block_table.shape[0]:
+        return None
+    return block_table.cpu().numpy()

@@ -86,7 +86,8 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
                  block_size: int, device=None, groups=None, cost: CascadeCost | None = None,
                  node_programs: int | None = None, leaf_programs: int | None = None,
                  block_table_device: torch.Tensor | None = None, forest: CascadePlan | None = None,
-                 forest_rows=None, window: int | None = None, arena: CascadeArena | None = None) -> CascadePlan:
+                 forest_rows=None, window: int | None = None, arena: CascadeArena | None = None,
+                 host_lens=None) -> CascadePlan:
     """Plan one cascade decode step from host metadata (see module doc).
 
     ``block_table_cpu [B, max_blocks]`` and ``seq_lens_cpu [B]``: host (CPU tensor / numpy) copies.
@@ -115,6 +116,11 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
     into (needs ``block_table_device``): plans of one arena whose ``launch_key()`` is equal launch
     the same kernels with the same arguments, so one CUDA graph of ``cascade_decode`` serves them all.
     A plan that does not fit comes back with ``arena`` None (in fresh buffers).
+
+    ``host_lens [B]``: the tokens of each row whose block ids ``block_table_cpu`` holds, where it holds
+    fewer than ``seq_lens_cpu`` (a host copy made a step before, as the vLLM plug-in keeps one; default:
+    all). Only those blocks are read on the host - to find and check the shared blocks, which are then
+    at most those - and the kernels read every block from ``block_table_device`` (required with it).
     """
     window = check_window(window) or None
     table = _host_array("block_table_cpu", block_table_cpu, 2)
@@ -150,6 +156,13 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
             raise ValueError(f"device must be a torch.device or device string, got {device!r}") from e
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if host_lens is not None:
+        host_lens = _host_array("host_lens", host_lens, 1).astype(np.int64)
+        if host_lens.size != lens.size or (host_lens.size and host_lens.min() < 0):
+            raise ValueError(f"host_lens must hold one count >= 0 per row ({lens.size}), got shape {host_lens.shape}")
+        if block_table_device is None:
+            raise ValueError("host_lens needs block_table_device: the kernels read the blocks past host_lens there")
+        host_lens = np.minimum(host_lens, lens)
     if block_table_device is not None:
         if not isinstance(block_table_device, torch.Tensor):
             raise TypeError(f"block_table_device must be a torch.Tensor, got {type(block_table_device).__name__}")
@@ -177,7 +190,7 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
                       block_size=block_size, device=device, groups=groups, cost=cost,
                       node_programs=node_programs, leaf_programs=leaf_programs,
                       block_table_device=block_table_device, forest=forest, forest_rows=rows, window=window,
-                      arena=arena)
+                      arena=arena, host_lens=lens if host_lens is None else host_lens)
 
 
 def _check_forest(forest, groups, forest_rows, batch: int, **shape):

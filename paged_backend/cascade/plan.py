@@ -138,11 +138,12 @@ class CascadePlan:
 
 def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, device, groups, cost,
                node_programs, leaf_programs, block_table_device=None, forest=None, forest_rows=None,
-               window=None, arena=None) -> CascadePlan:
+               window=None, arena=None, host_lens=None) -> CascadePlan:
     hq, hkv, d, bs = num_q_heads, num_kv_heads, head_dim, block_size
     bsz = lens.size
     group = hq // hkv
-    full = lens // bs
+    known = lens if host_lens is None else host_lens  # [B] tokens whose block ids the host table holds
+    full = known // bs
     cols_used = int(-(-lens.max() // bs)) if bsz else 0
     state_bytes = hq * (d + 1) * 4
     kv_tok = hkv * d * 2 * cost.kv_elem_bytes
@@ -162,7 +163,7 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
         if forest_rows is not None:  # a batch of some of its requests
             ptr, members, nstart, nend, level, kd = restrict_forest(ptr, members, nstart, nend, level, forest_rows,
                                                                     forest.batch_size, pays)
-        check_held(table, lens, bs, ptr, members, nstart, nend, kd, debug_enabled())
+        check_held(table, known, bs, ptr, members, nstart, nend, kd, debug_enabled())
     elif groups is None:
         ptr, members, nstart, nend, level, kd = auto_forest(table, full, pays)
     else:
@@ -181,7 +182,7 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
     bt_host = table[:, :cols_used] if cols_used else np.zeros((bsz, 1), dtype=np.int32)
     max_id = -1
     if bsz and cols_used and (debug_enabled() or bsz * cols_used <= (1 << 16)):
-        max_id, low = _used_id_bounds(bt_host, -(-lens // bs))
+        max_id, low = _used_id_bounds(bt_host, -(-known // bs))
         if low < 0:
             raise ValueError(f"block_table_cpu holds negative block ids in its used entries (min {low})")
     plan = CascadePlan(batch_size=bsz, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device=device,

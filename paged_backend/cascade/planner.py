@@ -37,14 +37,15 @@ class CascadePlanner:
 
     def plans(self, table_host: np.ndarray, lens: np.ndarray, ids: np.ndarray, table: torch.Tensor,
               cost: CascadeCost | None = None, arenas: dict | None = None,
-              checked: bool = False) -> dict[int | None, CascadePlan]:
+              checked: bool = False, host_lens: np.ndarray | None = None) -> dict[int | None, CascadePlan]:
         """The plans of a decode step of rows ``ids [B]`` (distinct), ``table_host [B, cols]``,
         ``lens [B]`` and the kernels' table ``table [B, M]`` on the device, by the cost model
         ``cost`` (None: the default one; keep it between steps). ``arenas``: {window:
         CascadeArena or None} to plan into (CUDA-graph steps). ``checked``: ids may name other
         requests than last step (rows known by place): a carried forest that no longer holds in
-        ``table_host`` is dropped and the step planned anew (else that is an error)."""
-        kw = dict(self.shape, cost=cost, block_table_device=table)
+        ``table_host`` is dropped and the step planned anew (else that is an error). ``host_lens``:
+        as ``plan_cascade``'s (a host table a step late)."""
+        kw = dict(self.shape, cost=cost, block_table_device=table, host_lens=host_lens)
         rows = self._carried_rows(ids)
         plans = None
         if rows is not False:
