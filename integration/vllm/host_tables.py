@@ -16,6 +16,10 @@ batch rows of Model Runner V2): a row's blocks as of the last step that ran its 
 - the plan finds shared blocks among blocks held then, which misses none: the blocks a request
   gained since are new, its own (a request crossing into a block) or a prefill's.
 
+- block 0 is vLLM's null block, which no request holds: a row is held only up to its first 0. The
+  dummy batches vLLM runs (warm-up, an idle data-parallel rank) name slots ``0 ..`` with tables of
+  null blocks; cut there, such a row shares nothing until its request's next step is copied.
+
 The copy of step ``t`` is queued before step ``t``'s forward and read while step ``t + 1`` is built:
 done already unless the GPU still runs the step before ``t``, and then waiting for it waits for that
 step, not for everything queued (``waits`` counts them).
@@ -51,11 +55,13 @@ class HostTables:
 
     def take(self, slots: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
         """The rows of request ``slots [B]`` -> (table [B, cols] int32, held [B]: leading blocks of
-        each row that it holds, 0 for a slot never sent; past them, any ids)."""
+        each row that it holds - 0 for a slot never sent, never past a null block; past them, any ids)."""
         self._merge()
         slots = np.asarray(slots, dtype=np.int64)
         self._grow(int(slots.max()) + 1 if slots.size else 0, cols)
-        return self.rows[slots, :cols], np.minimum(self.held[slots], cols)
+        table = self.rows[slots, :cols]
+        null = np.append(table == 0, np.ones((table.shape[0], 1), dtype=bool), axis=1)  # [B, cols + 1]
+        return table, np.minimum(self.held[slots], null.argmax(axis=1))
 
     def _merge(self) -> None:
         if self._pending is None:
