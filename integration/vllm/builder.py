@@ -120,18 +120,20 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         block_table = cm.block_table_tensor[:b]
         slots = self._slots(cm.req_idx, b, block_table)
         plans = self._plans(block_table[:nd], lens[:nd], graphable=npf == 0 and nd <= self.graph_rows,
-                            slots=None if slots is None else slots[:nd]) if nd else {}
+                            slots=None if slots is None or slots.size < nd else slots[:nd]) if nd else {}
         if slots is not None:  # (after the plan: it takes the steps before this one's)
-            self.host_tables.send(block_table, slots, -(-lens // self.shape["block_size"]))
+            n = slots.size
+            self.host_tables.send(block_table[:n], slots, -(-lens[:n] // self.shape["block_size"]))
         return PagedAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens, num_decodes=nd, num_decode_tokens=ndt, num_prefills=npf,
             seq_lens=cm.seq_lens[:b], block_table=block_table, prefill_query_start_loc=pqsl,
             prefill_query_start_loc_host=pqsl_host, plans=plans)
 
     def _slots(self, req_idx, b: int, block_table: torch.Tensor) -> np.ndarray | None:
-        """The rows' request slots where the metadata gives them and cascade may run (not inside a
-        CUDA graph capture: a copy queued there would be captured), else None."""
-        if not self.cascade or req_idx is None or len(req_idx) < b:
+        """The request slots of the rows that have one (vLLM's padding rows of a full CUDA graph,
+        last, have none) where the metadata gives them and cascade may run (not inside a CUDA graph
+        capture: a copy queued there would be captured), else None."""
+        if not self.cascade or req_idx is None:
             return None
         if block_table.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
