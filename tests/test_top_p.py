@@ -24,6 +24,7 @@ def reference(row: list[float], floor: float, p: float) -> tuple[float, float]:
     e = [math.exp(a - m) if a > -math.inf else 0.0 for a in vals]
     z = math.fsum(e)
     keep, ahead, margin, i = vals[0], 0.0, math.inf, 0
+    partials = []  # the exact sum of e[:i] (as math.fsum keeps it): each mass ahead is fsum(e[:j])'s
     while i < len(vals):
         j = i
         while j < len(vals) and vals[j] == vals[i]:
@@ -32,9 +33,28 @@ def reference(row: list[float], floor: float, p: float) -> tuple[float, float]:
             margin = min(margin, abs(ahead - p * z) / z)
         if ahead < p * z:
             keep = vals[i]
-        ahead = math.fsum(e[:j])
+        for x in e[i:j]:
+            _add_exact(partials, x)
+        ahead = math.fsum(partials)
         i = j
     return max(keep, floor), margin
+
+
+def _add_exact(partials: list, x: float) -> None:
+    """Adds ``x`` to the non-overlapping partials whose sum is a running sum, exactly (Shewchuk's
+    algorithm, as Python's math.fsum): math.fsum(partials) is then the correctly rounded sum so far,
+    in time linear in the terms where fsum of each prefix was quadratic."""
+    i = 0
+    for y in partials:
+        if abs(x) < abs(y):
+            x, y = y, x
+        hi = x + y
+        lo = y - (hi - x)
+        if lo:
+            partials[i] = lo
+            i += 1
+        x = hi
+    partials[i:] = [x]
 
 
 def lm_rows(s: int, v: int, temperature: float, g: torch.Generator) -> torch.Tensor:
