@@ -328,8 +328,9 @@ def slot_steps():
 
 
 @pytest.mark.kernel
+@pytest.mark.parametrize("debug", [False, True])
 @pytest.mark.parametrize("device", DEVICES)
-def test_cascade_from_request_slots_without_sync(vllm_config, monkeypatch, device):
+def test_cascade_from_request_slots_without_sync(vllm_config, monkeypatch, device, debug):
     """With the rows' request slots (Model Runner V2's ``req_idx``) the cascade plans take the block
     tables of the steps before (integration/vllm/host_tables.py), never a copy from the device: the
     first step plans flat (nothing held yet), later ones cascade over the prompt's 64 blocks with the
@@ -340,6 +341,7 @@ def test_cascade_from_request_slots_without_sync(vllm_config, monkeypatch, devic
     carries step 2's forest without them; step 4's, found anew for the new request, has them)."""
     from paged_backend.integration.vllm import builder as B
     monkeypatch.setenv("PAGED_BACKEND_CASCADE", "1")
+    monkeypatch.setenv("PAGED_BACKEND_DEBUG", "1" if debug else "0")  # (the held blocks checked on the device's)
     monkeypatch.setattr(B, "_table_from_device", lambda table: pytest.fail("the table was copied from the device"))
     layers = make_layers(vllm_config, 128)
     builder = None
@@ -361,6 +363,21 @@ def test_cascade_from_request_slots_without_sync(vllm_config, monkeypatch, devic
             dummy = Batch([64 * 16 + 1] * 2, [1, 1], 16, 128, device=device, table=np.zeros((2, 65)), req_idx=[0, 1])
             run_step(vllm_config, layers, dummy, builder)
     assert builder.planner.reused == 2  # the dummy's (step 1's forest on its rows) and step 3's (2, 4: anew)
+
+
+def test_slot_rows_rewritten_without_a_prefill_raise_under_debug(vllm_config, monkeypatch):
+    """PAGED_BACKEND_DEBUG=1 checks the host copy against the device table: a slot whose blocks changed
+    without a step between (what vLLM never does) raises naming the slot."""
+    monkeypatch.setenv("PAGED_BACKEND_CASCADE", "1")
+    monkeypatch.setenv("PAGED_BACKEND_DEBUG", "1")
+    layers = make_layers(vllm_config, 128)
+    (seq_lens, query_lens, slots, table), *_ = slot_steps()
+    md, builder, _ = run_step(vllm_config, layers, Batch(seq_lens, query_lens, 16, 128, share=[list(range(16))],
+                                                         shared_blocks=64, table=table, req_idx=slots))
+    table = table.copy()
+    table[3, 10] += 5000  # (slot 3's eleventh block, another id)
+    with pytest.raises(RuntimeError, match="request slot 3"):
+        run_step(vllm_config, layers, Batch(seq_lens, query_lens, 16, 128, table=table, req_idx=slots), builder)
 
 
 @pytest.mark.kernel

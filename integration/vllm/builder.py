@@ -44,6 +44,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 import paged_backend as pb
 from paged_backend.cascade import CascadeCost
 from paged_backend.cascade.planner import CascadePlanner
+from paged_backend.kernels.checks import debug_enabled
 
 from .host_tables import HostTables
 
@@ -149,6 +150,8 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         if self.cascade and nd >= 2 and not graphable:
             if slots is not None:  # the rows as the steps before left them: no sync (see the module doc)
                 table, blocks = self.host_tables.take(slots, -(-int(lens.max()) // self.shape["block_size"]))
+                if debug_enabled():
+                    _check_held(table, blocks, block_table, slots)
                 held = blocks * self.shape["block_size"]
                 first = table[blocks > 0, 0]
                 if np.unique(first).size == first.size:  # rows that share no first block share nothing
@@ -183,3 +186,16 @@ def _table_from_device(block_table: torch.Tensor) -> np.ndarray | None:
     if np.unique(block_table[:, 0].cpu().numpy()).size == block_table.shape[0]:
         return None
     return block_table.cpu().numpy()
+
+
+def _check_held(table: np.ndarray, blocks: np.ndarray, block_table: torch.Tensor, slots: np.ndarray) -> None:
+    """``PAGED_BACKEND_DEBUG=1``: the blocks the host rows hold are the device table's (a sync), else
+    ``RuntimeError`` naming the first row's slot that differs (vLLM rewrote a running request's blocks).
+    Null blocks on the device are no request's (a dummy batch's rows): not compared."""
+    dev = block_table[:, :table.shape[1]].cpu().numpy()
+    held = np.arange(table.shape[1])[None, :] < blocks[:, None]
+    bad = ((dev != table) & held & (dev != 0)).any(axis=1).nonzero()[0]
+    if bad.size:
+        i = int(bad[0])
+        raise RuntimeError(f"the host copy of request slot {int(slots[i])}'s blocks differs from vLLM's block table "
+                           f"(row {i}): its blocks changed without a prefill step between (docs/vllm.md)")
