@@ -365,6 +365,22 @@ def test_cascade_from_request_slots_without_sync(vllm_config, monkeypatch, devic
     assert builder.planner.reused == 2  # the dummy's (step 1's forest on its rows) and step 3's (2, 4: anew)
 
 
+def test_micro_batches_copy_the_table_as_without_slots(vllm_config, monkeypatch):
+    """With vLLM's micro-batching (a builder per micro-batch, each seeing some requests) the request
+    slots are not used: a step copies its table from the device, as without them."""
+    from paged_backend.integration.vllm import builder as B
+    monkeypatch.setenv("PAGED_BACKEND_CASCADE", "1")
+    monkeypatch.setattr(vllm_config.parallel_config, "enable_dbo", True)  # (use_ubatching follows)
+    copied = []
+    monkeypatch.setattr(B, "_table_from_device", lambda table: copied.append(1) or table.cpu().numpy())
+    layers = make_layers(vllm_config, 128)
+    for seq_lens, query_lens, slots, table in slot_steps()[:2]:
+        md, builder, (out,) = run_step(vllm_config, layers, Batch(seq_lens, query_lens, 16, 128, share=[list(range(16))],
+                                                                  shared_blocks=64, table=table, req_idx=slots))
+        assert builder.host_tables is None and isinstance(md.plans[None], pb.CascadePlan)
+    assert len(copied) == 2
+
+
 def test_slot_rows_rewritten_without_a_prefill_raise_under_debug(vllm_config, monkeypatch):
     """PAGED_BACKEND_DEBUG=1 checks the host copy against the device table: a slot whose blocks changed
     without a step between (what vLLM never does) raises naming the slot."""

@@ -17,7 +17,8 @@ graphs on and the batch within the captured sizes), decode-only batches take the
 A cascade plan needs the block table on the host, which vLLM's metadata does not carry. Where the
 metadata names each row's request slot (``req_idx``: Model Runner V2, vLLM 0.33's default on GPUs) the
 plan takes the rows as the last step that ran each request left them, copied back without a sync
-(:mod:`.host_tables`; every build queues its table's copy); elsewhere eager steps with two or more
+(:mod:`.host_tables`; every build queues its table's copy; not with micro-batching, where each
+micro-batch has a builder of its own); elsewhere eager steps with two or more
 decode rows copy the table's first column from the device (a sync), and the whole table only when
 some rows share a first block (costs measured in docs/vllm.md). The plan starts from the last step's
 forest (``CascadePlanner``, rows known by their slots, else by their place in the batch) where that
@@ -102,7 +103,9 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         self._graph_plans: dict[tuple, pb.DecodePlan] = {}  # per (captured batch size, window)
         self._eager_plans: dict = {}  # per window
         self.planner = CascadePlanner(self.windows, **self.shape)
-        self.host_tables = HostTables()  # the rows of the steps before, by request slot (req_idx)
+        # the rows of the steps before, by request slot (req_idx); not with vLLM's micro-batches, whose
+        # builders each see some of the requests: a slot's new request may prefill in the other's
+        self.host_tables = None if vllm_config.parallel_config.use_ubatching else HostTables()
         self.plans_made = 0  # steps planned (tests: one per step, whatever the number of layers)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -134,7 +137,7 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         """The request slots of the rows that have one (vLLM's padding rows of a full CUDA graph,
         last, have none) where the metadata gives them and cascade may run (not inside a CUDA graph
         capture: a copy queued there would be captured), else None."""
-        if not self.cascade or req_idx is None:
+        if not self.cascade or req_idx is None or self.host_tables is None:
             return None
         if block_table.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
