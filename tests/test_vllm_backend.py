@@ -79,7 +79,7 @@ class Batch:
 
     def __init__(self, seq_lens, query_lens, block_size, head_size, dtype=torch.float32, device="cpu",
                  share=(), shared_blocks=0, layout="NHD", pad_tokens=0, pad_attn=False, seed=0, fp8=None,
-                 fp8_scale=1.0, table=None, req_idx=None):
+                 fp8_scale=1.0, table=None, req_idx=None, is_prefilling=None):
         g = torch.Generator().manual_seed(seed)
         self.seq_lens, self.query_lens, self.bs, self.d = list(seq_lens), list(query_lens), block_size, head_size
         b = len(seq_lens)
@@ -97,6 +97,7 @@ class Batch:
             table = torch.as_tensor(table, dtype=torch.int32)
             total = int(table.max()) + 4
         self.block_table, self.req_idx = table, req_idx
+        self.is_prefilling = [q > 1 for q in query_lens] if is_prefilling is None else list(is_prefilling)
         physical = (total, block_size, HKV, 2 * head_size) if layout == "NHD" else (total, HKV, block_size, 2 * head_size)
         cache = torch.full(physical, float("nan"), dtype=fp8 or dtype)
         self.kv_cache = cache.transpose(1, 2) if layout == "NHD" else cache  # logical [NB, Hkv, BS, 2D]
@@ -146,7 +147,7 @@ class Batch:
             num_actual_tokens=self.num_padded, max_query_len=max(self.query_lens), max_seq_len=max(self.seq_lens),
             block_table_tensor=self.block_table, slot_mapping=self.slot_mapping, causal=True,
             seq_lens_cpu_upper_bound=seq,
-            is_prefilling=torch.tensor([q > 1 for q in self.query_lens], device=dev),
+            is_prefilling=torch.tensor(self.is_prefilling),  # (V2's: on the host, from its numpy array)
             positions=torch.arange(self.num_padded, device=dev),  # (unused by the backend)
             req_idx=None if self.req_idx is None else np.asarray(self.req_idx, dtype=np.int32))
 
@@ -292,10 +293,13 @@ def test_cascade_forest_carries_over_steps(vllm_config, monkeypatch, device):
 def slot_steps():
     """Steps of Model Runner V2 (rows named by request slots, ``req_idx``): 16 samples of a 64-block
     prompt in slots 0-15 and two other requests in slots 20 and 21 decode; some samples cross into a
-    block of their own at step 1; at step 2 the rows come reordered and the sample of slot 5 has
-    finished; at step 3 a new request takes slot 5 with the same prompt (vLLM's prefix cache gives it
-    the prompt's blocks) and prefills beside the decodes; at step 4 it decodes too, and its private
-    block has the id the finished sample's was. -> [(seq_lens, query_lens, slots, table rows)]."""
+    block of their own at step 1; at step 2 the rows come reordered and the samples of slots 5 and 9
+    have finished; at step 3 two new requests take their slots beside the decodes: in slot 5 one with
+    the same prompt (vLLM's prefix cache gives it the prompt's blocks) that prefills 5 tokens, in slot
+    9 one with a prompt of its own that is all cached but its last token (a one-token row still
+    prefilling: vLLM computes that token again); at step 4 both decode, the first with a private
+    block whose id the finished sample's was. -> [(seq_lens, query_lens, slots, table rows,
+    is_prefilling)]."""
     bs, shared, rng = 16, 64, np.random.default_rng(3)
     ids = iter((1 + rng.permutation(4000)).tolist())  # (block 0: vLLM's null block)
     prompt = [next(ids) for _ in range(shared)]
@@ -311,19 +315,21 @@ def slot_steps():
                 if -(-lens[s] // bs) > len(rows[s]):
                     rows[s].append(next(ids))
         if t == 2:
-            order = [s for s in rng.permutation(order).tolist() if s != 5]
+            order = [s for s in rng.permutation(order).tolist() if s not in (5, 9)]
         query = [1] * len(order)
-        if t == 3:  # the new request in slot 5: its prompt's blocks, then one of its own for 5 tokens
+        prefilling = [False] * len(order)
+        if t == 3:  # the new requests: slot 9's decodes-like (one token) first, slot 5's prefill last
             lens[5], rows[5] = shared * bs + 5, prompt + [rows[5][-1]]
-            order, query = order + [5], query + [shared * bs + 5]
+            lens[9], rows[9] = shared * bs + 3, [next(ids) for _ in range(shared + 1)]
+            order, query, prefilling = [9] + order + [5], [1] + query + [5], [True] + prefilling + [True]
         if t == 4:
             order = [5] + order[:-1]
-            query = [1] * len(order)
+            query, prefilling = [1] * len(order), [False] * len(order)
         width = max(len(rows[s]) for s in order)
         table = np.zeros((len(order), width), dtype=np.int32)
         for i, s in enumerate(order):
             table[i, :len(rows[s])] = rows[s]
-        steps.append(([lens[s] for s in order], query, order, table))
+        steps.append(([lens[s] for s in order], query, order, table, prefilling))
     return steps
 
 
@@ -334,21 +340,23 @@ def test_cascade_from_request_slots_without_sync(vllm_config, monkeypatch, devic
     """With the rows' request slots (Model Runner V2's ``req_idx``) the cascade plans take the block
     tables of the steps before (integration/vllm/host_tables.py), never a copy from the device: the
     first step plans flat (nothing held yet), later ones cascade over the prompt's 64 blocks with the
-    forest carried by slot through a reorder and a finished request, a request new in a slot joins
-    once its prefill step ran; every step matches the reference. A dummy batch after step 1 (as an
-    idle data-parallel rank runs: slots 0 and 1, 65 null blocks each) leaves those slots sharing
-    nothing - not block 0 with each other - until their next step's table arrives (step 3's plan
-    carries step 2's forest without them; step 4's, found anew for the new request, has them)."""
+    forest carried by slot through a reorder and finished requests; a request new in a slot joins
+    once its prefill step ran, and one whose first step is a single token still prefilling (its prompt
+    cached) shares nothing in that step - its slot's row then is the finished sample's, which shared
+    the prompt - nor after (its prompt is its own); every step matches the reference. A dummy batch
+    after step 1 (as an idle data-parallel rank runs: slots 0 and 1, 65 null blocks each) leaves those
+    slots sharing nothing - not block 0 with each other - until their next step's table arrives (step
+    2's plan has them not; step 3's, found anew for slot 9's new row, has them)."""
     from paged_backend.integration.vllm import builder as B
     monkeypatch.setenv("PAGED_BACKEND_CASCADE", "1")
     monkeypatch.setenv("PAGED_BACKEND_DEBUG", "1" if debug else "0")  # (the held blocks checked on the device's)
     monkeypatch.setattr(B, "_table_from_device", lambda table: pytest.fail("the table was copied from the device"))
     layers = make_layers(vllm_config, 128)
     builder = None
-    for t, (seq_lens, query_lens, slots, table) in enumerate(slot_steps()):
-        share = [[i for i, s in enumerate(slots) if s < 16 or (s == 5 and t >= 3)]]
+    for t, (seq_lens, query_lens, slots, table, prefilling) in enumerate(slot_steps()):
+        share = [[i for i, s in enumerate(slots) if (s < 16 and s != 9) or (s == 9 and t < 3)]]
         batch = Batch(seq_lens, query_lens, 16, 128, device=device, share=share, shared_blocks=64, table=table,
-                      req_idx=slots, seed=t)
+                      req_idx=slots, is_prefilling=prefilling, seed=t)
         md, builder, (out,) = run_step(vllm_config, layers, batch, builder)
         plan = md.plans[None]
         if t == 0:
@@ -356,25 +364,33 @@ def test_cascade_from_request_slots_without_sync(vllm_config, monkeypatch, devic
         else:
             assert isinstance(plan, pb.CascadePlan) and not plan.is_flat
             members = sorted(np.asarray(slots)[plan.node_members].tolist())
-            assert members == sorted(s for s in slots[:plan.batch_size] if s < 16 and (t in (1, 4) or s > 1)), t
+            assert members == sorted(s for s in slots[:plan.batch_size]
+                                     if s < 16 and (t < 3 or s != 9) and (t != 2 or s > 1)), t
             assert plan.node_end.tolist() == [64 * 16]
         check(batch, layers[0], out)
         if t == 1:  # the dummy batch (its output is dropped, as vLLM drops it)
             dummy = Batch([64 * 16 + 1] * 2, [1, 1], 16, 128, device=device, table=np.zeros((2, 65)), req_idx=[0, 1])
             run_step(vllm_config, layers, dummy, builder)
-    assert builder.planner.reused == 2  # the dummy's (step 1's forest on its rows) and step 3's (2, 4: anew)
+    assert builder.planner.reused == 1  # the dummy's (step 1's forest on its rows; 2: after a dummy; 3, 4: new rows)
 
 
-def test_micro_batches_copy_the_table_as_without_slots(vllm_config, monkeypatch):
-    """With vLLM's micro-batching (a builder per micro-batch, each seeing some requests) the request
-    slots are not used: a step copies its table from the device, as without them."""
+@pytest.mark.parametrize("why", ["micro-batches", "kv connector"])
+def test_no_slot_tables_where_a_request_may_prefill_unseen(vllm_config, monkeypatch, why):
+    """With vLLM's micro-batching (a builder per micro-batch, each seeing some requests) or a KV
+    connector (a prompt prefilled on another instance) the request slots are not used: a step copies
+    its table from the device, as without them."""
+    from vllm.config import KVTransferConfig
     from paged_backend.integration.vllm import builder as B
     monkeypatch.setenv("PAGED_BACKEND_CASCADE", "1")
-    monkeypatch.setattr(vllm_config.parallel_config, "enable_dbo", True)  # (use_ubatching follows)
+    if why == "micro-batches":
+        monkeypatch.setattr(vllm_config.parallel_config, "enable_dbo", True)  # (use_ubatching follows)
+    else:
+        monkeypatch.setattr(vllm_config, "kv_transfer_config", KVTransferConfig(kv_connector="NixlConnector",
+                                                                                kv_role="kv_both"))
     copied = []
     monkeypatch.setattr(B, "_table_from_device", lambda table: copied.append(1) or table.cpu().numpy())
     layers = make_layers(vllm_config, 128)
-    for seq_lens, query_lens, slots, table in slot_steps()[:2]:
+    for seq_lens, query_lens, slots, table, _ in slot_steps()[:2]:
         md, builder, (out,) = run_step(vllm_config, layers, Batch(seq_lens, query_lens, 16, 128, share=[list(range(16))],
                                                                   shared_blocks=64, table=table, req_idx=slots))
         assert builder.host_tables is None and isinstance(md.plans[None], pb.CascadePlan)
@@ -387,7 +403,7 @@ def test_slot_rows_rewritten_without_a_prefill_raise_under_debug(vllm_config, mo
     monkeypatch.setenv("PAGED_BACKEND_CASCADE", "1")
     monkeypatch.setenv("PAGED_BACKEND_DEBUG", "1")
     layers = make_layers(vllm_config, 128)
-    (seq_lens, query_lens, slots, table), *_ = slot_steps()
+    (seq_lens, query_lens, slots, table, _), *_ = slot_steps()
     md, builder, _ = run_step(vllm_config, layers, Batch(seq_lens, query_lens, 16, 128, share=[list(range(16))],
                                                          shared_blocks=64, table=table, req_idx=slots))
     table = table.copy()

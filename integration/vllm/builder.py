@@ -15,10 +15,11 @@ workspace per size. A cascade
 plan cannot (its buffers follow its forest): where vLLM may replay a full decode graph (full decode
 graphs on and the batch within the captured sizes), decode-only batches take the flat plan.
 A cascade plan needs the block table on the host, which vLLM's metadata does not carry. Where the
-metadata names each row's request slot (``req_idx``: Model Runner V2, vLLM 0.33's default on GPUs) the
-plan takes the rows as the last step that ran each request left them, copied back without a sync
-(:mod:`.host_tables`; every build queues its table's copy; not with micro-batching, where each
-micro-batch has a builder of its own); elsewhere eager steps with two or more
+metadata names each row's request slot (``req_idx``: Model Runner V2, vLLM 0.33's default on GPUs) and
+which rows are still prefilling (``is_prefilling`` on the host) the plan takes the rows as the last
+step that ran each request left them, copied back without a sync (:mod:`.host_tables`; every build
+queues its table's copy; not with micro-batching, where each micro-batch has a builder of its own,
+nor with a KV connector, which may prefill a request elsewhere); elsewhere eager steps with two or more
 decode rows copy the table's first column from the device (a sync), and the whole table only when
 some rows share a first block (costs measured in docs/vllm.md). The plan starts from the last step's
 forest (``CascadePlanner``, rows known by their slots, else by their place in the batch) where that
@@ -104,8 +105,11 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         self._eager_plans: dict = {}  # per window
         self.planner = CascadePlanner(self.windows, **self.shape)
         # the rows of the steps before, by request slot (req_idx); not with vLLM's micro-batches, whose
-        # builders each see some of the requests: a slot's new request may prefill in the other's
-        self.host_tables = None if vllm_config.parallel_config.use_ubatching else HostTables()
+        # builders each see some of the requests (a slot's new request may prefill in the other's), nor
+        # with a KV connector (a request's prompt may be prefilled elsewhere: it never runs a step here
+        # still prefilling)
+        self.host_tables = (None if vllm_config.parallel_config.use_ubatching or vllm_config.kv_transfer_config
+                            is not None else HostTables())
         self.plans_made = 0  # steps planned (tests: one per step, whatever the number of layers)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -123,8 +127,12 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
             pqsl_host = cm.query_start_loc_cpu[nd:b + 1].numpy() - ndt
         block_table = cm.block_table_tensor[:b]
         slots = self._slots(cm.req_idx, b, block_table)
+        fresh = None  # [nd] decode rows still prefilling (a cached prompt's last token): their first step
+        pre = cm.is_prefilling
+        if slots is not None and slots.size >= nd and pre is not None and not pre.is_cuda and pre.numel() >= nd:
+            fresh = pre[:nd].numpy().astype(bool)
         plans = self._plans(block_table[:nd], lens[:nd], graphable=npf == 0 and nd <= self.graph_rows,
-                            slots=None if slots is None or slots.size < nd else slots[:nd]) if nd else {}
+                            slots=None if fresh is None else slots[:nd], fresh=fresh) if nd else {}
         if slots is not None:  # (after the plan: it takes the steps before this one's)
             n = slots.size
             self.host_tables.send(block_table[:n], slots, -(-lens[:n] // self.shape["block_size"]))
@@ -143,16 +151,18 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
             return None
         return np.asarray(req_idx[:b], dtype=np.int64)
 
-    def _plans(self, block_table: torch.Tensor, lens: np.ndarray, graphable: bool, slots=None) -> dict:
+    def _plans(self, block_table: torch.Tensor, lens: np.ndarray, graphable: bool, slots=None, fresh=None) -> dict:
         """Per window: a CascadePlan when decode rows share leading full blocks (and no graph may
         replay the step), else a DecodePlan of this batch size refilled for ``lens``. ``slots [B]``:
-        the rows' request slots (the host table from the steps before), or None."""
+        the rows' request slots (the host table from the steps before), or None; ``fresh [B]``: rows
+        whose request may be new in its slot (still prefilling), which then share nothing."""
         self.plans_made += 1
         nd = lens.size
         table = held = None
         if self.cascade and nd >= 2 and not graphable:
             if slots is not None:  # the rows as the steps before left them: no sync (see the module doc)
                 table, blocks = self.host_tables.take(slots, -(-int(lens.max()) // self.shape["block_size"]))
+                blocks[fresh] = 0  # (its slot's row may be the last request's)
                 if debug_enabled():
                     _check_held(table, blocks, block_table, slots)
                 held = blocks * self.shape["block_size"]

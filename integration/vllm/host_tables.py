@@ -11,8 +11,12 @@ batch rows of Model Runner V2): a row's blocks as of the last step that ran its 
 - a request's blocks only grow while it runs (vLLM appends, never rewrites: no copy-on-write), so the
   blocks it held then are its first blocks now, and the plan reads only those on the host
   (``plan_cascade(host_lens=...)``), the kernels every block from the device table;
-- a slot's row is another request's only after that request ran a step, and every request runs its
-  prefill in a step before it decodes, so the copy of that step holds its blocks before any decode;
+- a slot's row is another request's only after that request ran a step, and every request runs a
+  step still prefilling (vLLM's ``is_prefilling``: its prompt not all computed - a one-token row too,
+  where all of a cached prompt but its last token was found) before any that is not, so the copy of
+  that step holds its blocks before it decodes; in that first step the builder lets the row share
+  nothing (its slot may still hold the last request's row). A KV connector breaks this (a prompt
+  prefilled elsewhere): the builder does not use these tables with one;
 - the plan finds shared blocks among blocks held then, which misses none: the blocks a request
   gained since are new, its own (a request crossing into a block) or a prefill's.
 
