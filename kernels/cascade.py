@@ -238,9 +238,9 @@ def cascade_torch(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: fl
     run_o = torch.zeros(b, hq, d, dtype=torch.float32)
     bt = plan.views["block_table"].long().cpu()  # (the kernels' table: the host one may hold fewer blocks)
     qf = q.float().cpu()
-    for members, t0, t1 in plan.nodes():
+    for (members, t0, t1), rep in zip(plan.nodes(), plan.node_reps().tolist()):
         mem = torch.from_numpy(members.astype("int64"))
-        pages = bt[int(members[0]), t0 // bs: t1 // bs]
+        pages = bt[rep, t0 // bs: t1 // bs]
         k = dequantized(k_cache[pages].flatten(0, 1), scales[0])[None]  # [1, L, Hkv, D]
         vv = dequantized(v_cache[pages].flatten(0, 1), scales[1])[None]
         live = torch.ones(1, t1 - t0, dtype=torch.bool)

@@ -103,6 +103,26 @@ def test_cascade(device, dtype, window):
         assert (lo[members] < t1).any() and t0 >= lo[members].min() // BS * BS
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [20, 40, 70, 100])
+def test_cascade_reads_no_block_below_a_members_window(device, window):
+    """vLLM's Model Runner V2 replaces each row's table entries wholly below its window with its null
+    block (freed, maybe reused): a node's keys are read through the member whose window starts first,
+    so no read reaches such an entry (the other members mask the keys before their windows)."""
+    q, k, v, table, lens = _shared_inputs(device, torch.float32, [5, 20, 40, 3, 30, 60])
+    poison = k.shape[0]  # a block of NaN, where the kernels' table has the entries vLLM nulls
+    k2, v2 = (torch.cat([c, torch.full_like(c[:1], float("nan"))]) for c in (k, v))
+    nulled = table.copy()
+    nulled[np.arange(table.shape[1])[None, :] < (np.maximum(lens - window, 0) // BS)[:, None]] = poison
+    cplan = pb.plan_cascade(table, lens, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BS,
+                            device=device, cost=CascadeCost(0, 0, 0), window=window,
+                            block_table_device=torch.from_numpy(nulled).to(device))
+    assert not cplan.is_flat
+    out, lse = pb.cascade_decode(q, k2, v2, cplan, window=window)
+    bt, sl = torch.from_numpy(table).to(device), torch.from_numpy(lens.astype(np.int32)).to(device)
+    assert_close_state(out, lse, *decode_reference(q, k, v, bt, sl, window=window), torch.float32)
+
+
 def test_cascade_plan_follows_the_window():
     """16 samples of an 8192-token prompt, 100 tokens each since, window 1024: the shared node is
     read from the samples' earliest window block on (once), the tails hold the rest."""

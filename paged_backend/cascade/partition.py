@@ -185,7 +185,7 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     # node pieces: their segment's row (a copy when segments are cut), then the cut token ranges
     work = h["node_work"].reshape(-1, NODE_FIELDS)
     rows = np.empty((node.size, NODE_FIELDS), np.int32) if cut_at.size else work
-    for col, val in enumerate((members[ptr[:-1]][node], kvh, mbase, n_in, start[node], end[node])):
+    for col, val in enumerate((plan.node_reps()[node], kvh, mbase, n_in, start[node], end[node])):
         rows[:, col] = val
     if cut_at.size:
         np.take(rows, seg, axis=0, out=work, mode="clip")

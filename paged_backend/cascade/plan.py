@@ -119,6 +119,18 @@ class CascadePlan:
         return [(self.node_members[self.node_ptr[k]:self.node_ptr[k + 1]], int(self.node_start[k]),
                  int(self.node_end[k])) for k in range(self.num_nodes)]
 
+    def node_reps(self) -> np.ndarray:
+        """[K] the member each node's keys are read through (its block-table row): the one whose window
+        starts first, else the first member. A row's entries wholly below its window may name no block
+        of its own (vLLM's Model Runner V2 puts its null block there); the node starts at that member's
+        window block, so every key is read from a block it holds."""
+        first = self.node_members[self.node_ptr[:-1]]
+        if not self.window or not self.num_nodes:
+            return first
+        sizes = np.diff(self.node_ptr)
+        order = np.lexsort((self.window_start()[self.node_members], np.arange(sizes.size).repeat(sizes)))
+        return self.node_members[order[self.node_ptr[:-1]]]
+
     def window_start(self) -> np.ndarray:
         """[B] int64 each request's first key attended: ``max(0, len - window)``, 0 without a window."""
         lens = self.seq_lens_host.astype(np.int64)
