@@ -456,6 +456,34 @@ def test_sliding_windows(vllm_config, monkeypatch, kind, device):
 
 @pytest.mark.kernel
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slots", [False, True])
+def test_sliding_window_tables_with_null_entries(vllm_config, monkeypatch, device, slots):
+    """Model Runner V2 gives a sliding-window group tables whose entries wholly below each row's window
+    are its null block (block 0, here a block of other keys). 16 samples of a 62-block prompt, window
+    24: at step 1 the first 8 samples' windows have moved from block 61 to 62 (their block 61 is null
+    now), the last 8's are still in block 61. Both steps are exact, with the table copied from the
+    device or the rows taken by request slot from the step before (which then share nothing: a row's
+    leading entries are null, and a row is held only up to its first null block)."""
+    monkeypatch.setenv("PAGED_BACKEND_CASCADE", "1")
+    layers = make_layers(vllm_config, 128, windows=[24])
+    builder = None
+    for t in range(2):
+        lens = [62 * 16 + 23 + t] * 8 + [62 * 16 + 8 + t] * 8  # windows from 991 / 976 (block 61), then 992 / 977
+        table = np.concatenate([np.tile(np.arange(1, 63), (16, 1)), 100 + np.arange(32).reshape(16, 2)], axis=1)
+        batch = Batch(lens, [1] * 16, 16, 128, device=device, share=[list(range(16))], shared_blocks=62,
+                      table=table, req_idx=list(range(16)) if slots else None, seed=t)
+        below = (np.array(lens) - 24) // 16  # [16] blocks wholly below each window
+        nulled = batch.block_table.cpu()
+        nulled[torch.from_numpy(np.arange(table.shape[1])[None, :] < below[:, None])] = 0
+        batch.block_table = nulled.to(device)
+        md, builder, (out,) = run_step(vllm_config, layers, batch, builder)
+        if slots:
+            assert isinstance(md.plans[24], pb.DecodePlan)
+        check(batch, layers[0], out)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["mixed", "shared"])
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
 def test_fp8_kv_cache(vllm_config, monkeypatch, kind, kv_cache_dtype, device):
