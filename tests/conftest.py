@@ -123,6 +123,16 @@ def pytest_collection_modifyitems(config, items):
                                                f"(their cases all run in tier 1): {stale}"))
 
 
+def pytest_runtest_logreport(report):
+    """With ``PAGED_BACKEND_TEST_TIMES`` (a file; tests/gpu/run.sh sets it): each test's call, and any
+    phase over a second, appended as it finishes - where a run's time went even when it is cut short
+    (pytest's --durations prints only at the end; the GPU suite ran out of device time at 85%)."""
+    path = os.environ.get("PAGED_BACKEND_TEST_TIMES")
+    if path and (report.when == "call" or report.duration > 1.0):
+        with open(path, "a") as f:
+            f.write(f"{report.duration:8.2f} {report.when:8s} {report.outcome:7s} {report.nodeid}\n")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _model_cache(tmp_path_factory):
     """Loads of the embedded model convert it into a cache of the test session's (one conversion a

@@ -7,7 +7,7 @@
 # benchmarks/bench_<name>.py with its default output files (benchmarks/results/<gpu>.json and
 # <gpu>.md, one section per benchmark); args after -- go to every benchmark run (so give one).
 # Peers come from the carried wheels in .whl/ (installed into /tmp/site). What comes back, in $OUT
-# (default /tmp/gpu-out): env.txt, pytest.log, bench.log, <gpu>.json, <gpu>.md.
+# (default /tmp/gpu-out): env.txt, pytest.log, test_times.txt, bench.log, <gpu>.json, <gpu>.md.
 # Longer than one device call (10 min; the whole suite on a fresh H200 is): tests/gpu/detached.sh.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -90,8 +90,10 @@ EOF
 WARMED=0
 for step in "${WHAT[@]}"; do
   if [ "$step" = "tests" ]; then
-    # (--durations: the suite outgrew one device call on a fresh H200, 2026-11-28; see what costs)
-    python3 -m pytest -m gpu -q -p no:cacheprovider --durations=30 tests 2>&1 | tee "$OUT/pytest.log"
+    # (--durations: the suite outgrew one device call on a fresh H200, 2026-11-28; see what costs -
+    # test_times.txt says it as the tests finish, for a run cut short: tests/conftest.py)
+    PAGED_BACKEND_TEST_TIMES="$OUT/test_times.txt" \
+      python3 -m pytest -m gpu -q -p no:cacheprovider --durations=30 tests 2>&1 | tee "$OUT/pytest.log"
     rc=$?
     if [ $rc -eq 5 ]; then SUMMARY+=("tests: none marked gpu"); rc=0; else SUMMARY+=("tests: rc=$rc"); fi
   elif [ -f "benchmarks/bench_$step.py" ]; then
