@@ -166,8 +166,7 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
                 if debug_enabled():
                     _check_held(table, blocks, block_table, slots)
                 held = blocks * self.shape["block_size"]
-                first = table[blocks > 0, 0]
-                if np.unique(first).size == first.size:  # rows that share no first block share nothing
+                if _distinct(table[blocks > 0, 0]):
                     table = None
             else:
                 table = _table_from_device(block_table)
@@ -193,10 +192,15 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         return plans
 
 
+def _distinct(first_blocks: np.ndarray) -> bool:
+    """Whether the rows' first blocks all differ: rows that share no first block share nothing."""
+    return np.unique(first_blocks).size == first_blocks.size
+
+
 def _table_from_device(block_table: torch.Tensor) -> np.ndarray | None:
-    """The decode rows' table copied from the device - a sync each copy: first the first column, as rows
-    that share no first block share nothing (None), then the table."""
-    if np.unique(block_table[:, 0].cpu().numpy()).size == block_table.shape[0]:
+    """The decode rows' table copied from the device - a sync each copy: first the first column (None
+    where the rows share no first block), then the table."""
+    if _distinct(block_table[:, 0].cpu().numpy()):
         return None
     return block_table.cpu().numpy()
 

@@ -190,7 +190,7 @@ def plan_cascade(block_table_cpu, seq_lens_cpu, *, num_q_heads: int, num_kv_head
                       block_size=block_size, device=device, groups=groups, cost=cost,
                       node_programs=node_programs, leaf_programs=leaf_programs,
                       block_table_device=block_table_device, forest=forest, forest_rows=rows, window=window,
-                      arena=arena, host_lens=lens if host_lens is None else host_lens)
+                      arena=arena, host_lens=host_lens)
 
 
 def _check_forest(forest, groups, forest_rows, batch: int, **shape):
