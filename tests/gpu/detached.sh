@@ -3,12 +3,15 @@
 #
 #   tests/gpu/detached.sh start [run.sh args...]   # starts it (setsid), then waits like `wait`
 #   tests/gpu/detached.sh wait                     # waits for it, up to $WAIT s (default 560)
+#   tests/gpu/detached.sh pack                     # the compile caches into $OUT (after `finished`)
 #
 # The device machine keeps a process of its own session running between calls while it stays warm
 # (30 s after a call returns), so issue `wait` calls back to back until it prints "finished". The
 # whole GPU suite then runs in one process however long it takes (`start tests`). Each call prints
 # the progress and copies run.sh's files (env.txt, pytest.log, ...) to $OUT; run.sh's last line
-# (its summary) appears in detached.log once it has finished.
+# (its summary) appears in detached.log once it has finished. `pack` puts the compile caches the run
+# filled (tests/gpu/env.sh) in $OUT as gpu-cache.tar.xz.00, .01 (15 MB parts: two of the 8 files a
+# call brings back); copied here into .gpu-cache/ and carried, a later machine starts with them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DIR=/tmp/gpu-detached
@@ -23,7 +26,13 @@ case "${1:-}" in
       run "$@" < /dev/null > /dev/null 2>&1 &
     echo "started: tests/gpu/run.sh $*" ;;
   wait) ;;
-  *) echo "usage: $0 start [run.sh args...] | wait" >&2; exit 2 ;;
+  pack)
+    [ -f "$DIR/rc" ] || { echo "pack: no finished run on this machine"; exit 1; }
+    tar -C /tmp/gpu-cache --exclude=.unpacked -cf - . | xz -6 -T0 | split -b 15m -d - "$OUT/gpu-cache.tar.xz."
+    ls -la "$OUT"/gpu-cache.tar.xz.*
+    [ "$(ls "$OUT"/gpu-cache.tar.xz.* | wc -l)" -le 2 ] || echo "pack: over two parts, some will not come back"
+    exit 0 ;;
+  *) echo "usage: $0 start [run.sh args...] | wait | pack" >&2; exit 2 ;;
 esac
 [ -d "$DIR" ] || { echo "nothing started on this machine (a fresh one: start again)"; exit 1; }
 t0=$(date +%s)
