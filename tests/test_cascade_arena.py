@@ -107,3 +107,21 @@ def test_arena_argument_checks():
     arena = CascadeArena({"seq_lens": 8}, 4, 4, 64, "cpu")
     with pytest.raises(ValueError, match="arena needs block_table_device"):
         pb.plan_cascade(bt, lens, arena=arena, **kw)
+
+
+def test_send_views_each_parts_entries():
+    """``send`` copies the staged parts and views each part's first entries: views kept from the last
+    send while the sizes stay (a steady step's), made anew when they change, never stale."""
+    arena = CascadeArena({"a": 8, "b": 12}, 4, 4, 64, "cpu")
+    views = []
+    for step, sizes in enumerate([dict(a=3, b=5), dict(a=3, b=5), dict(a=6, b=5), dict(a=3, b=5)]):
+        src, parts = arena.stage(sizes)
+        for i, (name, part) in enumerate(parts.items()):
+            part[:] = np.arange(part.size) + 100 * step + 10 * i
+        views.append(arena.send(src, sizes))
+        for i, (name, n) in enumerate(sizes.items()):
+            assert views[-1][name].tolist() == list(range(100 * step + 10 * i, 100 * step + 10 * i + n))
+    assert all(views[1][k] is views[0][k] for k in "ab") and views[2]["a"] is not views[1]["a"]
+    views[1]["c"] = None  # (the caller's dict is its own)
+    src, _ = arena.stage(dict(a=3, b=5))
+    assert "c" not in arena.send(src, dict(a=3, b=5))
