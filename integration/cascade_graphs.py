@@ -93,7 +93,7 @@ class CascadeGraphs:
         else:
             with torch.inference_mode():
                 g.replay()
-        return step_outputs(g.out, inp, b, draw is not None)
+        return step_outputs(g.out, b, draw is not None)
 
     def _plan(self, batch, inp: StaticInputs) -> dict:
         """The step's cascade plans on the padded rows, in the size's arenas (grown where a plan does

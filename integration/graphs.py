@@ -55,8 +55,7 @@ class StaticInputs:
     and settings (``SampleSettings``: ``k`` int64, ``temp``, ``min_p``, ``top_p`` float32, ``greedy``
     bool). Padding rows: token 0 at position 0, slot -1 (nothing is written), length 0 (attention
     gives 0), key 0 at temperature 1 with no filter (a draw whose token is dropped). ``host``: {name:
-    the host array last copied}. ``handoff`` [size, 2] float64: the graph's drawn tokens and their
-    log-probabilities, packed for the one copy to the host (``Sampled.packed``)."""
+    the host array last copied}."""
 
     # the draw's settings of a padding row (and of every row of a step the graph does not draw)
     PAD = dict(keys=0, k=1, temp=1.0, min_p=0.0, top_p=np.inf, greedy=False)
@@ -74,9 +73,6 @@ class StaticInputs:
                          greedy=np.full(size, p["greedy"], np.bool_))
         self.buffer = torch.from_numpy(np.concatenate([a.reshape(-1).view(np.uint8) for a in self.host.values()]))
         self.buffer = self.buffer.to(device)
-        # the draw's tokens and log-probabilities [size, 2] as they go to the host, written by the
-        # graph (outside its memory pool: they outlive the step as the next one's input ids)
-        self.handoff = torch.zeros((size, 2), dtype=torch.float64, device=device)
         at = 0
         for name, a in self.host.items():
             setattr(self, name, self.buffer[at:at + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape))
@@ -134,25 +130,20 @@ def step_forward(model, inp: StaticInputs, rows: torch.Tensor, step, sample=None
                        paged_step=step).logits[0]
         if sample is None:
             return logits, None
-        s = sample(logits, mode, inp.k, inp.temp, inp.min_p, inp.top_p, inp.greedy, inp.keys)
-        inp.handoff[:, 0].copy_(s.tokens)  # (ids < 2^53: exact in float64)
-        inp.handoff[:, 1].copy_(s.logprobs)
-        return logits, s
+        return logits, sample(logits, mode, inp.k, inp.temp, inp.min_p, inp.top_p, inp.greedy, inp.keys)
     return run
 
 
-def step_outputs(out: tuple, inp: StaticInputs, b: int, drawn: bool):
-    """A graph's outputs (:func:`step_forward` on ``inp``) for a batch of ``b`` rows -> (logits [b, V],
-    the ``Sampled`` of its rows where the graph drew them for the batch (``drawn``), else None). Its
-    tokens are ``inp.handoff``'s, not the graph's: they outlive the step (the next one's input ids), and
-    a view of the graph's outputs would keep its memory pool in use after the graph is dropped (torch
-    then fails the next capture into that pool); nor is a copy queued for them between two steps."""
+def step_outputs(out: tuple, b: int, drawn: bool):
+    """A graph's outputs (:func:`step_forward`) for a batch of ``b`` rows -> (logits [b, V], the
+    ``Sampled`` of its rows where the graph drew them for the batch (``drawn``), else None). The tokens
+    are a copy: they outlive the step (the next one's input ids), and a view would keep the graph's
+    memory pool in use after the graph is dropped (torch then fails the next capture into that pool)."""
     logits, s = out
     if not drawn or s is None:
         return logits[:b], None
     top = (None, None) if s.top_ids is None else (s.top_ids[:b], s.top_logprobs[:b])
-    packed = inp.handoff[:b]
-    return logits[:b], Sampled(packed[:, 0], s.logprobs[:b], *top, packed=packed)
+    return logits[:b], Sampled(s.tokens[:b].clone(), s.logprobs[:b], *top)
 
 
 class _Graph:
@@ -208,7 +199,7 @@ class _Graph:
             mark()
         with torch.inference_mode():
             got[0]()
-        return step_outputs(got[1], self.inputs, len(batch.seqs), draw is not None)
+        return step_outputs(got[1], len(batch.seqs), draw is not None)
 
 
 class DecodeGraphs:

@@ -21,8 +21,8 @@ class Launched:
     """One step queued on the device (``batch``: the scheduler's ``ScheduledBatch``)."""
     batch: object
     kind: str             # how its attention ran (engine: GRAPH, CASCADE, DECODE, PREFILL)
-    tokens: torch.Tensor  # [S] on the device: the sampled ids (a chained step's input ids; int64, or float64)
-    host: torch.Tensor    # [S, 2] float64 on the host: tokens and their log-probabilities, once copied
+    tokens: torch.Tensor  # [S] int64 on the device: the sampled ids (a chained step's input ids)
+    host: torch.Tensor    # [2, S] float64 on the host: tokens and their log-probabilities, once copied
     top: tuple | None     # host (ids [S, K], log-probabilities [S, K]) of the top log-probabilities, or None
     copied: torch.cuda.Event | None  # recorded after the copies (None on the CPU: nothing to wait for)
     t0: float             # host clock when the step began
@@ -34,11 +34,8 @@ class Launched:
     @classmethod
     def start(cls, batch, kind: str, sampled: Sampled, t0: float, t_issued: float, captured: bool,
               events) -> "Launched":
-        """Queues the copies of ``sampled`` to the host behind the step's kernels (one, where a graph
-        packed them: ``Sampled.packed``)."""
-        packed = sampled.packed
-        if packed is None:
-            packed = torch.stack([sampled.tokens.double(), sampled.logprobs.double()], 1)  # [S, 2]
+        """Queues the copies of ``sampled`` to the host behind the step's kernels."""
+        packed = torch.stack([sampled.tokens.double(), sampled.logprobs.double()])  # [2, S]
         top = None if sampled.top_ids is None else (sampled.top_ids, sampled.top_logprobs)
         copied = None
         if packed.is_cuda:
@@ -49,8 +46,8 @@ class Launched:
                             for t in top)
             copied = torch.cuda.Event()
             copied.record()
-        else:  # (a graph's packed rows are its buffer, which the next step rewrites)
-            host = packed if sampled.packed is None else packed.clone()
+        else:
+            host = packed
         return cls(batch, kind, sampled.tokens, host, top, copied, t0, t_issued, captured, events)
 
     def wait(self) -> tuple[np.ndarray, np.ndarray, tuple | None]:
@@ -60,4 +57,4 @@ class Launched:
             self.copied.synchronize()
         host = self.host.numpy()
         top = None if self.top is None else tuple(t.numpy() for t in self.top)
-        return host[:, 0].astype(np.int64), host[:, 1], top
+        return host[0].astype(np.int64), host[1], top

@@ -61,15 +61,11 @@ class SampleRows:
 @dataclass
 class Sampled:
     """Device results for S rows: ``tokens [S]`` int64, ``logprobs [S]`` float32 (raw
-    log-probability of each sampled token), ``top_ids``/``top_logprobs [S, K]`` or None.
-    ``packed`` [S, 2] float64: tokens and log-probabilities side by side as they go to the host, where
-    the draw laid them out so already (a decode graph's: ``tokens`` is then its first column, the ids
-    held exactly), or None."""
+    log-probability of each sampled token), ``top_ids``/``top_logprobs [S, K]`` or None."""
     tokens: torch.Tensor
     logprobs: torch.Tensor
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
-    packed: torch.Tensor | None = None
 
 
 class Sampler:
