@@ -8,10 +8,11 @@ vLLM must import (on the lent GPU: its Python files and light requirements carri
 ``VLLM_TARGET_DEVICE=cpu`` because its CUDA platform needs its compiled ops, which the tensors here
 never touch). Cases: ``ragged`` (64 requests of 1K-8K tokens, nothing shared) and the
 prefix/n/suffix shapes of bench_cascade. bf16, Hq 32, Hkv 8, D 128, page 16. ``build`` is timed
-with the GPU idle: behind a busy GPU a cascade build waits for the queued work (the copy syncs),
-which a flat build never does. Builds repeat the same step, so a cascade build carries the last
-one's forest, as a decode step after the first does (``build_cascade_new_us``: the forest found
-anew each time, as the first step of a batch). ``break-even`` = layers after which cascade's saving
+with the GPU idle, and the cascade build again with ~1 ms of work queued (``build_busy``): by the
+first-column path it waits for that work (its copy syncs), which a flat build never does; with the
+rows' request slots (Model Runner V2) it copies nothing back. Builds repeat the same step, so a
+cascade build carries the last one's forest, as a decode step after the first does
+(``build_cascade_new_us``: the forest found anew each time, as the first step of a batch). ``break-even`` = layers after which cascade's saving
 per layer pays its extra (carried) build time.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -32,17 +34,20 @@ BENCH = "vllm"
 SHAPES = ["ragged", "8192/64/256", "4096/256/128", "32768/16/512"]
 
 
-def vllm_step(table: np.ndarray, lens: np.ndarray, device):
+def vllm_step(table: np.ndarray, lens: np.ndarray, device, slots: bool = False):
+    """A decode step's metadata as vLLM's runner builds it; ``slots``: with the rows' request slots and
+    their prefilling flags on the host, as Model Runner V2 gives them (the builder's no-sync path)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
     b = len(lens)
+    extra = dict(req_idx=np.arange(b, dtype=np.int32), is_prefilling=torch.zeros(b, dtype=torch.bool)) if slots else {}
     seq = torch.from_numpy(lens.astype(np.int32))
     qsl = torch.arange(b + 1, dtype=torch.int32)
-    slots = torch.from_numpy((table[np.arange(b), (lens - 1) // BS] * BS + (lens - 1) % BS).astype(np.int64))
+    mapping = torch.from_numpy((table[np.arange(b), (lens - 1) // BS] * BS + (lens - 1) % BS).astype(np.int64))
     return CommonAttentionMetadata(
         query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq.to(device), num_reqs=b,
         num_actual_tokens=b, max_query_len=1, max_seq_len=int(lens.max()),
-        block_table_tensor=torch.from_numpy(table.astype(np.int32)).to(device), slot_mapping=slots.to(device),
-        seq_lens_cpu_upper_bound=seq)
+        block_table_tensor=torch.from_numpy(table.astype(np.int32)).to(device), slot_mapping=mapping.to(device),
+        seq_lens_cpu_upper_bound=seq, **extra)
 
 
 def case_inputs(name: str, device):
@@ -97,16 +102,42 @@ def run_case(name: str, device) -> dict:
             # in a CUDA graph: the GPU's time without the eager launches (a full decode graph
             # replays flat plans; a cascade plan replays too while the step's forest is unchanged)
             results[mode]["graph_us"] = C.graph_time_us([fwd])
+        # behind a busy GPU (~1 ms of queued work, as vLLM's async scheduling builds step N + 1 while step
+        # N runs): the first-column path waits for it (its copy syncs), the request-slot path does not
+        slot_step = vllm_step(table, lens, device, slots=True)
+        busy = {"sync": busy_build_us(builder, cm), "slots": busy_build_us(builder, slot_step)}
     f, c = results["flat"], results["cascade"]
     err = C.rel_err(c["out"], f["out"])
     saved = f["attn_us"] - c["attn_us"]
     row.update(build_flat_us=f["build_us"], build_cascade_us=c["build_us"], build_cascade_new_us=c["new_us"],
+               build_busy_sync_us=busy["sync"], build_busy_slots_us=busy["slots"],
                attn_flat_us=f["attn_us"],
                attn_flat_graph_us=f["graph_us"], attn_cascade_us=c["attn_us"], attn_cascade_graph_us=c["graph_us"],
                cascade_chosen=c["cascade"],
                cascade_vs_flat_rel_err=err,
                break_even_layers=(c["build_us"] - f["build_us"]) / saved if c["cascade"] and saved > 0 else None)
     return row
+
+
+def busy_build_us(builder, cm, calls: int = 20, busy_ms: float = 1.0) -> float:
+    """Median host time of ``builder.build`` called with ~``busy_ms`` of work queued on the GPU (the
+    forest carried and, with request slots, the rows sent by a build before)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1 << 20)
+    end.record()
+    end.synchronize()
+    cycles = int((1 << 20) * busy_ms / start.elapsed_time(end))
+    builder.build(0, cm)
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        builder.build(0, cm)
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return float(np.median(times) * 1e6)
 
 
 def main():
@@ -130,13 +161,16 @@ def main():
     C.write_json(args.out, BENCH, {"when": C.now(), "gpu": C.gpu_name(), "versions": {**C.versions(),
                  "vllm": vllm.__version__}, "rows": rows})
     fmt = lambda v: "-" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v))  # noqa: E731
-    keys = ["case", "batch", "build_flat_us", "build_cascade_us", "build_cascade_new_us", "attn_flat_us",
+    keys = ["case", "batch", "build_flat_us", "build_cascade_us", "build_cascade_new_us", "build_busy_sync_us",
+            "build_busy_slots_us", "attn_flat_us",
             "attn_flat_graph_us", "attn_cascade_us", "attn_cascade_graph_us", "cascade_chosen", "break_even_layers",
             "cascade_vs_flat_rel_err"]
     table = C.md_table(keys, [[fmt(r.get(k)) if k != "cascade_vs_flat_rel_err" or "error" in r
                                else f"{r[k]:.1e}" for k in keys] for r in rows])
     text = (f"## vLLM plug-in: per-step build and attention ({C.gpu_name()}, {C.now()}, vLLM {vllm.__version__})\n\n"
-            f"bf16, Hq {HQ}, Hkv {HKV}, D {D}, page {BS}; times in us; build = host time with the GPU idle.\n\n"
+            f"bf16, Hq {HQ}, Hkv {HKV}, D {D}, page {BS}; times in us; build = host time with the GPU idle; "
+            "build_busy = a cascade build with ~1 ms of work queued on the GPU, by the first-column path (its "
+            "copy syncs) and by the rows' request slots (Model Runner V2's metadata: no sync).\n\n"
             + table + "\n")
     C.write_md_section(args.md, BENCH, text)
     print(text)
