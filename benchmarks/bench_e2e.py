@@ -23,6 +23,11 @@ copy bandwidth measured in the same run), the share of a decode step spent in at
 host's share, and peak GPU memory. Results: ``benchmarks/results/<gpu>.json`` (bench "e2e") and
 ``.md``.
 
+``--prompts P`` (ours engines only): P distinct prompts of ``--prompt-len`` tokens, n samples each, prompt ``i``
+stopping after ``new - i * (new // 2) // (P - 1)`` tokens - requests finish at different steps, so the
+batch and the forest it shares change as they do (RL rollouts; ``graph_captures`` in the record counts the
+CUDA graphs its steps captured). Its floors are the full batch's.
+
 Each engine runs in a Python process of its own (``--same-process``: all in this one), on weights
 made from the same seed: what one engine leaves behind - compiled code, Dynamo's caches and their
 recompile limits, the allocator's pools - cannot move another's numbers (on an H200 the same engine
@@ -86,36 +91,39 @@ def kv_bytes_per_token(model) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2
 
 
-def run_ours(model, prompt, n, new, kwargs: dict, device, sampling: dict) -> dict:
+def run_ours(model, prompts, n, new, kwargs: dict, device, sampling: dict) -> dict:
+    """``prompts``: token id lists, ``n`` samples each, ``new`` tokens for the first and fewer for the
+    others (``news``: ``--prompts``)."""
     kwargs = dict(kwargs)
     always = kwargs.pop("always_cascade", False)
-    llm = LLM(model, device=device, dtype=torch.bfloat16, max_num_seqs=n, max_model_len=len(prompt) + new + 16,
-              profile=True, **kwargs)
+    news = _news(new, len(prompts))
+    llm = LLM(model, device=device, dtype=torch.bfloat16, max_num_seqs=n * len(prompts),
+              max_model_len=len(prompts[0]) + new + 16, profile=True, **kwargs)
     if always and llm.choice is not None:  # every shared decode step a cascade (the choice never goes flat)
         llm.choice.PROBES = 2 ** 62
     # Warm-up on prompts as long as the timed one (no prefix-cache hit on it): the first as long as the
     # timed run, so every kernel specialisation its growing lengths take is compiled (and every graph
     # captured) before the clock starts; the second starts from a fresh prompt again.
-    other = [t - 1 for t in prompt]  # (prompt ids are >= 10)
-    llm.generate([{"prompt_token_ids": other}], SamplingParams(n=n, max_tokens=new, ignore_eos=True, seed=1,
-                                                               **sampling), use_tqdm=False)
-    llm.generate([{"prompt_token_ids": [t - 1 for t in other]}], SamplingParams(n=n, max_tokens=4, ignore_eos=True,
-                                                                               seed=2, **sampling), use_tqdm=False)
+    other = [[t - 1 for t in p] for p in prompts]  # (prompt ids are >= 10)
+    llm.generate([{"prompt_token_ids": p} for p in other],
+                 [SamplingParams(n=n, max_tokens=m, ignore_eos=True, seed=1, **sampling) for m in news], use_tqdm=False)
+    llm.generate([{"prompt_token_ids": [t - 1 for t in p]} for p in other],
+                 SamplingParams(n=n, max_tokens=4, ignore_eos=True, seed=2, **sampling), use_tqdm=False)
     _reset(device)
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=n, max_tokens=new, ignore_eos=True,
-                                                                     temperature=1.0, seed=0, **sampling),
-                        use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(n=n, max_tokens=m, ignore_eos=True, temperature=1.0, seed=0, **sampling)
+                         for m in news], use_tqdm=False)
     wall = time.perf_counter() - t0
     st = llm.last_stats
-    assert sum(len(c.token_ids) for c in outs[0].outputs) == n * new
+    assert [sum(len(c.token_ids) for c in o.outputs) for o in outs] == [n * m for m in news]
     dec = [s for s in st.step_log if s["kind"] != "prefill"]
     def med(key):  # ms, median over the decode steps
         vals = [s[key] for s in dec if s[key] is not None]
         return statistics.median(vals) * 1e3 if vals else None
 
-    rec = dict(wall_s=wall, tokens=n * new, tok_s=n * new / wall, prefill_s=st.prefill_time,
-               decode_s=st.decode_time, decode_tok_s=(n * (new - 1)) / st.decode_time if st.decode_time else None,
+    rec = dict(wall_s=wall, tokens=n * sum(news), tok_s=n * sum(news) / wall, prefill_s=st.prefill_time,
+               decode_s=st.decode_time, decode_tok_s=n * (sum(news) - len(news)) / st.decode_time if st.decode_time else None,
                decode_steps=len(dec), cascade_steps=st.cascade_steps, graph_captures=st.graph_captures,
                paths=" ".join(f"{k}x{len(list(g))}" for k, g in itertools.groupby(s["kind"] for s in dec)),
                graph_steps=sum(s["kind"] == "graph" for s in dec), step_ms=med("total_s"),
@@ -125,6 +133,11 @@ def run_ours(model, prompt, n, new, kwargs: dict, device, sampling: dict) -> dic
     del llm
     C.free_memory()
     return rec
+
+
+def _news(new: int, prompts: int) -> list[int]:
+    """New tokens of each of ``prompts`` prompts: ``new`` for the first, down to ``new - new // 2``."""
+    return [new - i * (new // 2) // max(1, prompts - 1) for i in range(prompts)]
 
 
 def run_hf_generate(model, prompt, n, new, device, sampling: dict) -> dict:
@@ -192,6 +205,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=4096)
     p.add_argument("-n", type=int, default=64)
     p.add_argument("--new", type=int, default=256)
+    p.add_argument("--prompts", type=int, default=1,
+                   help="distinct prompts, n samples each, finishing at different steps (ours engines only)")
     p.add_argument("--batch-new", type=int, default=16, help="new tokens for hf_generate_batch (it is slow)")
     p.add_argument("--quick", action="store_true", help="a tiny model and short run (smoke test)")
     p.add_argument("--out", help="results JSON (default benchmarks/results/<gpu>.json)")
@@ -214,26 +229,29 @@ def main(argv=None) -> int:
         if bad:
             p.error(f"unknown models {bad}; choose from {list(models)}")
         models = {k: models[k] for k in args.models.split(",")}
-    engines = args.engines.split(",") if args.engines else list(ENGINES)
+    engines = args.engines.split(",") if args.engines else [e for e in ENGINES if args.prompts == 1 or e in OURS]
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         p.error(f"unknown engines {bad}; choose from {list(ENGINES)}")
+    if args.prompts < 1 or (args.prompts > 1 and any(e not in OURS for e in engines)):
+        p.error(f"--prompts must be >= 1, and above 1 only with the ours engines ({', '.join(OURS)})")
     bw = C.copy_bandwidth(device)
     print(f"{C.gpu_name()} copy bandwidth {bw:.0f} GB/s", flush=True)
     results, rows = {}, []
     for mname, shape in models.items():
         # (isolated engines build their own: this process only needs the shapes' byte counts)
         model = build(shape, "meta" if not args.same_process else device, torch.bfloat16, args.prompt_len + args.new + 64)
-        prompt = make_prompt(shape, args.prompt_len)
+        prompts = make_prompts(shape, args.prompt_len, args.prompts)
         w, kvb = weight_bytes(model), kv_bytes_per_token(model)
         mid = args.prompt_len + args.new // 2  # a sequence's length halfway through decode
-        floor = {"flat": (w + args.n * mid * kvb) / (bw * 1e9), "unique": (w + (args.prompt_len + args.n * args.new // 2)
-                                                                         * kvb) / (bw * 1e9)}
+        rows_n = args.prompts * args.n  # (the full batch's)
+        floor = {"flat": (w + rows_n * mid * kvb) / (bw * 1e9),
+                 "unique": (w + args.prompts * (args.prompt_len + args.n * args.new // 2) * kvb) / (bw * 1e9)}
         results[mname] = {"params": sum(p.numel() for p in model.parameters()), "weight_bytes": w,
                           "kv_bytes_per_token": kvb, "floor_ms": {k: v * 1e3 for k, v in floor.items()}}
         for eng in engines:
             print(f"--- {mname} {eng}", flush=True)
-            rec = run_engine(model, prompt, eng, args) if args.same_process else run_isolated(mname, eng, argv)
+            rec = run_engine(model, prompts, eng, args) if args.same_process else run_isolated(mname, eng, argv)
             fl = floor["unique" if eng == "ours_cascade" or rec.get("cascade_steps") else "flat"]
             if "step_ms" in rec:
                 rec["floor_ms"] = fl * 1e3
@@ -245,29 +263,35 @@ def main(argv=None) -> int:
         C.free_memory()
     payload = {"when": C.now(), "gpu": C.gpu_name(), "copy_gbps": bw, "versions": C.versions(),
                "workload": dict(prompt_len=args.prompt_len, n=args.n, new=args.new, batch_new=args.batch_new,
+                                prompts=args.prompts,
                                 dtype="bf16", sampling=args.sampling), "results": results}
     table = C.md_table(["model", "engine", "tok/s", "decode tok/s", "prefill s", "decode step ms (floor)",
                         "attention / host ms", "GPU idle", "peak GiB"], rows)
     print(table)
     if not args.quick:  # one section per set of models, so models can run in processes of their own
-        slug, name = C.gpu_slug(), f"e2e:{','.join(models)}:{args.prompt_len}x{args.n}x{args.new}"
+        many = f"{args.prompts}x" if args.prompts > 1 else ""
+        slug, name = C.gpu_slug(), f"e2e:{','.join(models)}:{many}{args.prompt_len}x{args.n}x{args.new}"
         said = ",".join(f"{k}={v}" for k, v in args.sampling.items())
         name += f":{said}" if said else ""
         C.write_json(args.out or f"{C.ROOT}/benchmarks/results/{slug}.json", name, payload)
         C.write_md_section(args.md or f"{C.ROOT}/benchmarks/results/{slug}.md", name,
                            f"## End-to-end sampling: {', '.join(models)} ({C.gpu_name()}, {C.now()})\n\n"
-                           f"One {args.prompt_len}-token prompt, n = {args.n}, {args.new} new tokens each, bf16, "
+                           (f"{args.prompts} prompts of {args.prompt_len} tokens, n = {args.n} each, "
+                            f"{' / '.join(map(str, _news(args.new, args.prompts)))} new tokens, bf16, " if args.prompts > 1
+                            else f"One {args.prompt_len}-token prompt, n = {args.n}, {args.new} new tokens each, bf16, ") +
                            f"temperature 1{', ' + said if said else ''}; "
                            f"copy bandwidth {bw:.0f} GB/s. hf_generate_batch timed on {args.batch_new} new "
                            f"tokens.\n\n{table}\n")
     return 0
 
 
-def run_engine(model, prompt, eng: str, args) -> dict:
-    """One engine's record on ``model`` in this process ({"error": ...} where it failed)."""
+def run_engine(model, prompts, eng: str, args) -> dict:
+    """One engine's record on ``model`` in this process ({"error": ...} where it failed); ``prompts``:
+    one for the peers."""
+    prompt = prompts[0]
     try:
         if eng in OURS:
-            return run_ours(model, prompt, args.n, args.new, OURS[eng], args.device, args.sampling)
+            return run_ours(model, prompts, args.n, args.new, OURS[eng], args.device, args.sampling)
         if eng == "hf_generate":
             return run_hf_generate(model, prompt, args.n, args.new, args.device, args.sampling)
         return run_hf_generate_batch(model, prompt, args.n, args.batch_new, args.device)
@@ -295,7 +319,7 @@ def _run_one(args) -> int:
     mname, eng = args.one.split(":")
     models = QUICK_MODELS if args.quick else MODELS
     model = build(models[mname], args.device, torch.bfloat16, args.prompt_len + args.new + 64)
-    rec = run_engine(model, make_prompt(models[mname], args.prompt_len), eng, args)
+    rec = run_engine(model, make_prompts(models[mname], args.prompt_len, args.prompts), eng, args)
     print(RECORD + json.dumps(rec), flush=True)
     return 0
 
@@ -327,9 +351,14 @@ def _idle_share(steps: list) -> float | None:
     return idle / (busy + idle) if busy + idle > 0 else None
 
 
-def make_prompt(shape: dict, length: int) -> list:
-    """The run's prompt: token ids from a fixed seed (the same in every process)."""
-    return torch.randint(10, shape["vocab_size"], (length,), generator=torch.Generator().manual_seed(1)).tolist()
+def make_prompts(shape: dict, length: int, count: int = 1) -> list[list]:
+    """The run's prompts: token ids from fixed seeds (the same in every process), the first as one
+    prompt always was; no two share a first token."""
+    out = [torch.randint(10, shape["vocab_size"], (length,), generator=torch.Generator().manual_seed(1 + i)).tolist()
+           for i in range(count)]
+    for i, p in enumerate(out[1:], 1):
+        p[0] = 10 + (out[0][0] - 10 + i) % (shape["vocab_size"] - 10)
+    return out
 
 
 def _row(model: str, eng: str, rec: dict) -> list:
