@@ -13,13 +13,5 @@ if ls .gpu-cache/*.tar.xz* >/dev/null 2>&1 && [ ! -e /tmp/gpu-cache/.unpacked ];
     && touch /tmp/gpu-cache/.unpacked && echo "env.sh: compile caches unpacked ($(du -sh /tmp/gpu-cache | cut -f1))"
 fi
 export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-# vLLM's Python files, where carried (.vllm-py/, with its light requirements in .whl/: made by
-# tests/gpu/vllm_carry.sh): the vLLM plug-in's GPU tests then run with the rest of the suite, and fail
-# rather than skip where vLLM does not import. Its platform is its CPU one (its CUDA platform needs the
-# compiled ops of its full wheel, which the tests' CUDA tensors never touch).
-if [ -f .vllm-py/vllm-0.33.0-py.tar.xz ]; then
-  [ -d /tmp/vllm-py/vllm ] || { mkdir -p /tmp/vllm-py && tar -xJf .vllm-py/vllm-0.33.0-py.tar.xz -C /tmp/vllm-py; }
-  export PYTHONPATH="/tmp/vllm-py:$PYTHONPATH" VLLM_TARGET_DEVICE=cpu PAGED_BACKEND_REQUIRE_VLLM=1
-fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | grep -v -i "warning\|notice" | tail -3
 python3 -c "import paged_backend.scheduler, paged_backend.kernels.decode" || echo "env.sh: paged_backend is not importable"
