@@ -123,7 +123,8 @@ def run_ours(model, prompts, n, new, kwargs: dict, device, sampling: dict) -> di
         return statistics.median(vals) * 1e3 if vals else None
 
     rec = dict(wall_s=wall, tokens=n * sum(news), tok_s=n * sum(news) / wall, prefill_s=st.prefill_time,
-               decode_s=st.decode_time, decode_tok_s=n * (sum(news) - len(news)) / st.decode_time if st.decode_time else None,
+               decode_s=st.decode_time,
+               decode_tok_s=n * (sum(news) - len(news)) / st.decode_time if st.decode_time else None,
                decode_steps=len(dec), cascade_steps=st.cascade_steps, graph_captures=st.graph_captures,
                paths=" ".join(f"{k}x{len(list(g))}" for k, g in itertools.groupby(s["kind"] for s in dec)),
                graph_steps=sum(s["kind"] == "graph" for s in dec), step_ms=med("total_s"),
@@ -268,6 +269,11 @@ def main(argv=None) -> int:
     table = C.md_table(["model", "engine", "tok/s", "decode tok/s", "prefill s", "decode step ms (floor)",
                         "attention / host ms", "GPU idle", "peak GiB"], rows)
     print(table)
+    if args.prompts > 1:
+        workload = (f"{args.prompts} prompts of {args.prompt_len} tokens, n = {args.n} each, "
+                    f"{' / '.join(map(str, _news(args.new, args.prompts)))} new tokens")
+    else:
+        workload = f"One {args.prompt_len}-token prompt, n = {args.n}, {args.new} new tokens each"
     if not args.quick:  # one section per set of models, so models can run in processes of their own
         many = f"{args.prompts}x" if args.prompts > 1 else ""
         slug, name = C.gpu_slug(), f"e2e:{','.join(models)}:{many}{args.prompt_len}x{args.n}x{args.new}"
@@ -276,10 +282,7 @@ def main(argv=None) -> int:
         C.write_json(args.out or f"{C.ROOT}/benchmarks/results/{slug}.json", name, payload)
         C.write_md_section(args.md or f"{C.ROOT}/benchmarks/results/{slug}.md", name,
                            f"## End-to-end sampling: {', '.join(models)} ({C.gpu_name()}, {C.now()})\n\n"
-                           (f"{args.prompts} prompts of {args.prompt_len} tokens, n = {args.n} each, "
-                            f"{' / '.join(map(str, _news(args.new, args.prompts)))} new tokens, bf16, " if args.prompts > 1
-                            else f"One {args.prompt_len}-token prompt, n = {args.n}, {args.new} new tokens each, bf16, ") +
-                           f"temperature 1{', ' + said if said else ''}; "
+                           f"{workload}, bf16, temperature 1{', ' + said if said else ''}; "
                            f"copy bandwidth {bw:.0f} GB/s. hf_generate_batch timed on {args.batch_new} new "
                            f"tokens.\n\n{table}\n")
     return 0

@@ -12,8 +12,8 @@ with the GPU idle, and the cascade build again with ~1 ms of work queued (``buil
 first-column path it waits for that work (its copy syncs), which a flat build never does; with the
 rows' request slots (Model Runner V2) it copies nothing back. Builds repeat the same step, so a
 cascade build carries the last one's forest, as a decode step after the first does
-(``build_cascade_new_us``: the forest found anew each time, as the first step of a batch). ``break-even`` = layers after which cascade's saving
-per layer pays its extra (carried) build time.
+(``build_cascade_new_us``: the forest found anew each time, as the first step of a batch).
+``break-even`` = layers after which cascade's saving per layer pays its extra (carried) build time.
 """
 from __future__ import annotations
 
