@@ -49,9 +49,9 @@ def padded_sizes(max_num_seqs: int) -> list[int]:
 
 
 class StaticInputs:
-    """A decode step's inputs padded to ``size`` rows, in one device buffer filled by one copy, or two
-    where the block table is wide and its used columns few (the
-    fixed addresses a CUDA graph reads): ``ids``, ``pos`` [1, size] int64, ``slots`` [size] int64,
+    """A decode step's inputs padded to ``size`` rows, in one device buffer (the fixed addresses a CUDA
+    graph reads) filled by one copy, or two where the block table is wide and its used columns few:
+    ``ids``, ``pos`` [1, size] int64, ``slots`` [size] int64,
     ``table`` [size, width] int32, ``lens`` [size] int32, and the draw's ``keys`` [size] int64 (noise)
     and settings (``SampleSettings``: ``k`` int64, ``temp``, ``min_p``, ``top_p`` float32, ``greedy``
     bool). Padding rows: token 0 at position 0, slot -1 (nothing is written), length 0 (attention
