@@ -49,8 +49,9 @@ def padded_sizes(max_num_seqs: int) -> list[int]:
 
 
 class StaticInputs:
-    """A decode step's inputs padded to ``size`` rows, in one device buffer filled by one copy (the
-    fixed addresses a CUDA graph reads): ``ids``, ``pos`` [1, size] int64, ``slots`` [size] int64,
+    """A decode step's inputs padded to ``size`` rows, in one device buffer (the fixed addresses a CUDA
+    graph reads) filled by one copy, or two where the block table is wide and its used columns few:
+    ``ids``, ``pos`` [1, size] int64, ``slots`` [size] int64,
     ``table`` [size, width] int32, ``lens`` [size] int32, and the draw's ``keys`` [size] int64 (noise)
     and settings (``SampleSettings``: ``k`` int64, ``temp``, ``min_p``, ``top_p`` float32, ``greedy``
     bool). Padding rows: token 0 at position 0, slot -1 (nothing is written), length 0 (attention
@@ -62,21 +63,28 @@ class StaticInputs:
 
     def __init__(self, size: int, width: int, device: torch.device):
         self.size, self.width = size, width
-        # int64 parts first, then int32, float32 and bool ones (aligned views); the padding values
-        # from the start: a warm-up writes no KV
+        # int64 parts first, then int32, float32 and bool ones (aligned views), the block table last
+        # and 16-byte aligned: the parts before it go up in one piece and the table's used columns
+        # after them (fill). The padding values from the start: a warm-up writes no KV.
         p = self.PAD
         self.host = dict(ids=np.zeros((1, size), np.int64), pos=np.zeros((1, size), np.int64),
                          slots=np.full(size, -1, np.int64), keys=np.full(size, p["keys"], np.int64),
-                         k=np.full(size, p["k"], np.int64), table=np.zeros((size, width), np.int32),
-                         lens=np.zeros(size, np.int32), temp=np.full(size, p["temp"], np.float32),
-                         min_p=np.full(size, p["min_p"], np.float32), top_p=np.full(size, p["top_p"], np.float32),
-                         greedy=np.full(size, p["greedy"], np.bool_))
-        self.buffer = torch.from_numpy(np.concatenate([a.reshape(-1).view(np.uint8) for a in self.host.values()]))
-        self.buffer = self.buffer.to(device)
+                         k=np.full(size, p["k"], np.int64), lens=np.zeros(size, np.int32),
+                         temp=np.full(size, p["temp"], np.float32), min_p=np.full(size, p["min_p"], np.float32),
+                         top_p=np.full(size, p["top_p"], np.float32), greedy=np.full(size, p["greedy"], np.bool_))
+        self._parts = sum(a.nbytes for a in self.host.values())
+        self._head = -(-self._parts // 16) * 16  # bytes before the table
+        self.host["table"] = np.zeros((size, width), np.int32)
+        first = np.zeros(self._head + self.host["table"].nbytes, np.uint8)
+        np.concatenate([a.reshape(-1).view(np.uint8) for n, a in self.host.items() if n != "table"],
+                       out=first[:self._parts])
+        self.buffer = torch.from_numpy(first).to(device)
         at = 0
         for name, a in self.host.items():
+            at = self._head if name == "table" else at
             setattr(self, name, self.buffer[at:at + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape))
             at += a.nbytes
+        self._rows = self._cols = 0  # the table's rows and columns that may hold block ids, here and there
 
     def fill(self, batch, ids: torch.Tensor | None = None, draw=None) -> None:
         """Copies ``batch`` (decode-only, at most ``size`` rows) in, the rest padding. ``ids`` [B] on
@@ -88,18 +96,32 @@ class StaticInputs:
         h["ids"][0, :b], h["ids"][0, b:] = batch.input_ids, 0
         h["pos"][0, :b], h["pos"][0, b:] = batch.positions, 0
         h["slots"][:b], h["slots"][b:] = batch.slot_mapping, -1
+        # the table's used columns only (a model's whole context can be 8K blocks a row, a step's few
+        # hundred), and zeros over those the last step used
         cols = batch.block_tables.shape[1]
-        h["table"][:b, :cols], h["table"][:b, cols:], h["table"][b:] = batch.block_tables, 0, 0
+        t, c = h["table"], max(cols, self._cols)
+        t[:b, :cols], t[:b, cols:c], t[b:max(b, self._rows), :c] = batch.block_tables, 0, 0
+        self._rows, self._cols = b, cols
         h["lens"][:b], h["lens"][b:] = batch.seq_lens, 0
         st, keys = draw if draw is not None else (None, None)
         for name, pad in self.PAD.items():
             h[name][:b] = pad if st is None else keys if name == "keys" else getattr(st, name)
             h[name][b:] = pad
         # a fresh pinned buffer (torch's pinned cache gives it out again once copied): the host may
-        # fill the next step's while this copy waits in the stream
-        src = torch.empty(self.buffer.numel(), dtype=torch.uint8, pin_memory=self.buffer.is_cuda)
-        np.concatenate([a.reshape(-1).view(np.uint8) for a in h.values()], out=src.numpy())
-        self.buffer.copy_(src, non_blocking=True)
+        # fill the next step's while this copy waits in the stream. One copy where the table's first c
+        # columns are most of it; else the parts before it and those columns (a device-side copy of
+        # them into the table's rows after).
+        whole = 2 * c > self.width
+        src = torch.empty(self._head + 4 * self.size * (self.width if whole else c), dtype=torch.uint8,
+                          pin_memory=self.buffer.is_cuda)
+        host = src.numpy()
+        np.concatenate([a.reshape(-1).view(np.uint8) for n, a in h.items() if n != "table"], out=host[:self._parts])
+        host[self._head:].view(np.int32).reshape(self.size, -1)[...] = t if whole else t[:, :c]
+        if whole:
+            self.buffer.copy_(src, non_blocking=True)
+        else:
+            self.buffer[:self._head].copy_(src[:self._head], non_blocking=True)
+            self.table[:, :c].copy_(src[self._head:].view(torch.int32).view(self.size, c), non_blocking=True)
         if ids is not None:
             self.ids[0, :b].copy_(ids)
 

@@ -43,13 +43,14 @@ NODE_TILE = tuple(int(x) for x in os.environ.get("PAGED_BACKEND_NODE_TILE", "64x
 
 
 @gluon.jit
-def _piece(work_ptr, leaf_ptr, items_ptr, p, n_node, TAILS: gl.constexpr):
+def _piece(work_ptr, leaf_ptr, items_ptr, p, TAILS: gl.constexpr):
     """Piece ``p`` of the program lists -> (rep request, kv_head, member base, members, token_start,
-    token_end, slot base); a tail piece (``TAILS``) has member base -1 and one member, its request."""
+    token_end, slot base); a tail piece (``TAILS``: an item ``-1 - j``) has member base -1 and one
+    member, its request."""
     i = p
     if TAILS:
         i = gl.load(items_ptr + p)
-    if i < n_node:
+    if i >= 0:
         w = work_ptr + i * 7  # (rep request, kv_head, member base, members, token_start, token_end, slot base)
         rep = gl.load(w)
         kvh = gl.load(w + 1)
@@ -59,7 +60,7 @@ def _piece(work_ptr, leaf_ptr, items_ptr, p, n_node, TAILS: gl.constexpr):
         end = gl.load(w + 5)
         slot = gl.load(w + 6)
     else:
-        w = leaf_ptr + (i - n_node) * 5  # (request, kv_head, token_start, token_end, slot)
+        w = leaf_ptr + (-1 - i) * 5  # (request, kv_head, token_start, token_end, slot)
         rep = gl.load(w)
         kvh = gl.load(w + 1)
         mbase = rep * 0 - 1
@@ -76,11 +77,11 @@ def _node_load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_emp
                          BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr, STAGES: gl.constexpr,
                          TAILS: gl.constexpr):
     """One warp: the K/V tiles of every piece of this program, in order."""
-    work_ptr, leaf_ptr, items_ptr, prog_ptr, n_node = pieces
+    work_ptr, leaf_ptr, items_ptr, prog_ptr = pieces
     g = gl.program_id(0)
     it = gl.to_tensor(0)  # ring tiles so far (a tensor: it is carried through the loop)
     for p in range(gl.load(prog_ptr + g), gl.load(prog_ptr + g + 1)):
-        rep, kvh, _, _, start, end, _ = _piece(work_ptr, leaf_ptr, items_ptr, p, n_node, TAILS)
+        rep, kvh, _, _, start, end, _ = _piece(work_ptr, leaf_ptr, items_ptr, p, TAILS)
         bt_row_ptr = bt_ptr + rep.to(gl.int64) * stride_btb
         it = load_range(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it,
                         gl.maximum(gl.cdiv(end - start, BLOCK_N), 1), bt_row_ptr, stride_btn, start, end, kvh,
@@ -102,7 +103,7 @@ def _node_consumer_partition(rows, pieces, WG: gl.constexpr, GROUP: gl.constexpr
     (``benchmarks/results/sweeps/cascade_consumer_sm90_h100.log``)."""
     (q_ptr, members_ptr, po_ptr, plse_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
      v_empty, stride_qb, stride_qh, stride_pop, stride_poh, stride_plp, stride_plh, sm_scale, cap) = rows
-    work_ptr, leaf_ptr, items_ptr, prog_ptr, n_node = pieces
+    work_ptr, leaf_ptr, items_ptr, prog_ptr = pieces
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(D)
     loc_io = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout()))
@@ -115,7 +116,7 @@ def _node_consumer_partition(rows, pieces, WG: gl.constexpr, GROUP: gl.constexpr
     g = gl.program_id(0)
     it = gl.to_tensor(0)
     for p in range(gl.load(prog_ptr + g), gl.load(prog_ptr + g + 1)):
-        rep, kvh, mbase, n_in, start, end, slot_base = _piece(work_ptr, leaf_ptr, items_ptr, p, n_node, TAILS)
+        rep, kvh, mbase, n_in, start, end, slot_base = _piece(work_ptr, leaf_ptr, items_ptr, p, TAILS)
         n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 1)
         # a node piece: rows WG * ROWS .. of its row block; a tail piece (GP rows of one request): the
         # consumer of its parity, so that the two run consecutive tail pieces side by side
@@ -148,7 +149,7 @@ def _node_consumer_partition(rows, pieces, WG: gl.constexpr, GROUP: gl.constexpr
 @gluon.jit
 def _cascade_node_sm90_kernel(
     q_ptr, k_desc, v_desc, bt_ptr, members_ptr, work_ptr, leaf_ptr, items_ptr, prog_ptr, po_ptr, plse_ptr,
-    sm_scale, cap, n_node, page_rows, head_rows, head_cols, oob_row,
+    sm_scale, cap, page_rows, head_rows, head_cols, oob_row,
     stride_qb, stride_qh, stride_btb, stride_btn, stride_pop, stride_poh, stride_plp, stride_plh,
     GROUP: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
     PAGE_BOX: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr, TAILS: gl.constexpr, SOFTCAP: gl.constexpr,
@@ -158,7 +159,7 @@ def _cascade_node_sm90_kernel(
     q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_rings(k_desc, v_desc, D, BLOCK_N, STAGES)
     rows = (q_ptr, members_ptr, po_ptr, plse_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
             v_empty, stride_qb, stride_qh, stride_pop, stride_poh, stride_plp, stride_plh, sm_scale, cap)
-    pieces = (work_ptr, leaf_ptr, items_ptr, prog_ptr, n_node)
+    pieces = (work_ptr, leaf_ptr, items_ptr, prog_ptr)
     gl.warp_specialize([
         (_node_consumer_partition, (rows, pieces, 0, GROUP, GP, D, BLOCK_N, STAGES, TAILS, SOFTCAP)),
         (_node_consumer_partition, (rows, pieces, 1, GROUP, GP, D, BLOCK_N, STAGES, TAILS, SOFTCAP)),
@@ -199,7 +200,7 @@ def cascade_nodes_sm90(q, k_cache, v_cache, plan, scale: float, cfg: dict, pdl: 
     grid = (plan.node_programs,)
     items, prog = (v["fused_items"], v["fused_prog_ptr"]) if tails else (v["node_prog_ptr"], v["node_prog_ptr"])
     args = (q, *descriptors(k_cache, v_cache, view, cfg["page_box"], cfg["block_n"]), bt, v["members"],
-            v["node_work"], v["leaf_work"], items, prog, po, plse, scale, cfg["softcap"] * LOG2E, plan.num_node_pieces,
+            v["node_work"], v["leaf_work"], items, prog, po, plse, scale, cfg["softcap"] * LOG2E,
             *view[2:], view[0],
             q.stride(0), q.stride(1), *bt.stride(), po.stride(0), po.stride(1), *plse.stride())
     kw = dict(GROUP=group, GP=1 << max(0, (group - 1).bit_length()), BS=bs, D=d, BLOCK_N=cfg["block_n"],

@@ -125,3 +125,36 @@ def test_send_views_each_parts_entries():
     views[1]["c"] = None  # (the caller's dict is its own)
     src, _ = arena.stage(dict(a=3, b=5))
     assert "c" not in arena.send(src, dict(a=3, b=5))
+
+
+@pytest.mark.kernel
+def test_a_forest_that_loses_requests_keeps_its_launches():
+    """Two prompts' samples in one batch, then one prompt's samples finished (padding rows of length
+    0, as in the engine's padded batches): the new forest has fewer node pieces but the same launch
+    key (the kernels read the counts from the plan's lists), and the first plan's launches - as the
+    CUDA graph captured with it would replay them - give the new step's exact attention."""
+    bs, hq, hkv, d, n, width = 4, 8, 2, 64, 8, 16
+    table = np.zeros((n, width), np.int32)
+    table[:4, :5], table[4:, :3] = np.arange(5), 5 + np.arange(3)  # prompt A: 5 shared blocks, B: 3
+    private = 8 + np.arange(2 * n, dtype=np.int32).reshape(n, 2)
+    table[:4, 5:7], table[4:, 3:5] = private[:4], private[4:]
+    lens = np.array([7 * bs - 2] * 4 + [5 * bs - 1] * 4, np.int64)
+    torch.manual_seed(0)
+    k, v = torch.randn(8 + 2 * n, bs, hkv, d), torch.randn(8 + 2 * n, bs, hkv, d)
+    table_dev = torch.from_numpy(table.copy())
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device="cpu", cost=KEEP_ALL,
+              block_table_device=table_dev)
+    arena = CascadeArena.grown_for(pb.plan_cascade(table, lens, **kw))
+    first = pb.plan_cascade(table, lens, arena=arena, **kw)
+    check_exact(torch.randn(n, hq, d), k, v, torch.from_numpy(table), torch.from_numpy(lens).int(), first,
+                torch.float32)
+    table[4:], lens[4:] = 0, 0  # prompt B's samples finished; A's decode one more token
+    lens[:4] += 1
+    table_dev.copy_(torch.from_numpy(table))
+    plan = pb.plan_cascade(table, lens, arena=arena, **kw)
+    assert plan.arena is arena and 0 < plan.num_node_pieces < first.num_node_pieces
+    assert plan.launch_key() == first.launch_key()
+    q, bt, lens_t = torch.randn(n, hq, d), torch.from_numpy(table), torch.from_numpy(lens).int()
+    check_exact(q, k, v, bt, lens_t, plan, torch.float32)
+    if use_triton(q):  # (the torch path reads the plan's host arrays, not its buffers)
+        check_exact(q, k, v, bt, lens_t, first, torch.float32)

@@ -186,20 +186,21 @@ def test_partition_equals_reference(seed):
 
 def check_fused(cp):
     """The Hopper kernel's lists (``fused_order``): program ``g`` runs node program ``g``'s pieces and a
-    run of tail pieces (the runs in piece order), node pieces first on even programs and last on odd
-    ones, so every piece runs once; the decode kernel's programs take runs of the same tail pieces."""
+    run of tail pieces (the runs in piece order; tail piece ``j`` as ``-1 - j``), node pieces first on
+    even programs and last on odd ones, so every piece runs once; the decode kernel's programs take
+    runs of the same tail pieces."""
     v = {k: t.numpy().astype(np.int64) for k, t in cp.views.items()}
     items, ptr, nprog, lprog = v["fused_items"], v["fused_prog_ptr"], v["node_prog_ptr"], v["leaf_prog_ptr"]
     grid, n_node, n_leaf = nprog.size - 1, cp.num_node_pieces, cp.num_leaf_pieces
     assert grid == cp.node_programs and ptr[0] == 0 and ptr[-1] == n_node + n_leaf
-    next_tail = n_node
+    next_tail = 0
     for g in range(grid):
         got = items[ptr[g]:ptr[g + 1]].tolist()
         nodes = list(range(nprog[g], nprog[g + 1]))
-        tails = list(range(next_tail, next_tail + len(got) - len(nodes)))
+        tails = [-1 - j for j in range(next_tail, next_tail + len(got) - len(nodes))]
         next_tail += len(tails)
         assert got == (nodes + tails if g % 2 == 0 else tails + nodes)
-    assert next_tail == n_node + n_leaf
+    assert next_tail == n_leaf
     assert lprog.size == cp.leaf_programs + 1 and lprog[0] == 0 and lprog[-1] == n_leaf
     assert (np.diff(lprog) >= 0).all()
 
@@ -240,9 +241,9 @@ def test_fused_lists(monkeypatch, seed):
 
 def test_fused_order_small():
     """Two node programs, four leaf programs: program 0 = its two node pieces then leaf programs 0-1's
-    tails, program 1 = leaf programs 2-3's tails then its node pieces."""
+    tails, program 1 = leaf programs 2-3's tails then its node pieces (tail piece ``j`` as ``-1 - j``)."""
     items, ptr = cfused.fused_order(np.array([0, 2, 3]), np.array([0, 1, 1, 3, 4]), 3)
-    assert items.tolist() == [0, 1, 3, 4, 5, 6, 2] and ptr.tolist() == [0, 3, 7]
+    assert items.tolist() == [0, 1, -1, -2, -3, -4, 2] and ptr.tolist() == [0, 3, 7]
 
 
 @pytest.mark.parametrize("units,n_seg,k", [(8, 3, 2), (12, 4, 3), (7, 2, 3), (5, 5, 5), (9, 6, 1)])

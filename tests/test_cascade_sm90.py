@@ -151,3 +151,33 @@ def test_replays_with_new_addresses():
         got = pb.cascade_decode(*args, cplan)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert len(replays[0].tma.maps) == 4  # (k, v) at two addresses
+
+
+def test_a_forest_that_loses_requests_replays_the_first_launches():
+    """Two prompts' samples planned into one arena, then one prompt's samples finished (padding rows of
+    length 0, as in the engine's padded batches): fewer node pieces, the same launch key, and the first
+    plan's launches - as the CUDA graph captured with it replays them - give the new step's attention
+    (against fp64), bit for bit the new plan's own call. The Hopper kernel reads the kinds of its
+    pieces from its lists (tail pieces as ``-1 - j``), not a node piece count fixed at launch."""
+    from paged_backend.cascade import CascadeArena
+    q, k, v, table, lens = groups_inputs([2000, 1024], 32, 300, 32, 8, 128, 16, torch.bfloat16)
+    bt = torch.from_numpy(table).cuda()
+    kw = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda", cost=KEEP_ALL,
+              block_table_device=bt)
+    arena = CascadeArena.grown_for(pb.plan_cascade(table, lens, **kw))
+    first = pb.plan_cascade(table, lens, arena=arena, **kw)
+    assert "fused_items" in first.views and cascade_node_kernel_name(q, k, v, first) == "sm90+tails"
+    pb.cascade_decode(q, k, v, first)  # (its launches made)
+    done = lens == 1024 + 300  # the second prompt's samples finish; the first's decode one more token
+    table, lens = table.copy(), lens.copy()
+    table[done], lens[done] = 0, 0
+    lens[~done] += 1
+    bt.copy_(torch.from_numpy(table))
+    plan = pb.plan_cascade(table, lens, arena=arena, **kw)
+    assert plan.arena is arena and 0 < plan.num_node_pieces < first.num_node_pieces
+    assert plan.launch_key() == first.launch_key()
+    out, lse = pb.cascade_decode(q, k, v, first)
+    ref_o, ref_l = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), torch.from_numpy(lens.astype(np.int32)))
+    assert_close_state(out, lse, ref_o, ref_l, q.dtype)
+    own = pb.cascade_decode(q, k, v, plan)
+    assert torch.equal(out, own[0]) and torch.equal(lse, own[1])

@@ -66,7 +66,8 @@ def fused_order(node_prog: np.ndarray, leaf_prog: np.ndarray, n_node: int):
     ones their tails first, so that while some SMs run the node GEMMs (bound by the tensor cores)
     others stream tails (bound by memory). ``node_prog [G + 1]``, ``leaf_prog [GL + 1]``: the two
     kernels' program pointers. -> (items [Pn + Pt]: node piece ``i`` as ``i``, tail piece ``j`` as
-    ``n_node + j``; prog_ptr [G + 1])."""
+    ``-1 - j``; prog_ptr [G + 1]). (The sign tells the kinds apart, so the kernel takes no count of node
+    pieces: plans of other forests launch it with the same arguments, one CUDA graph replaying them.)"""
     grid, n_leaf = node_prog.size - 1, int(leaf_prog[-1])
     tail_prog = leaf_prog[-(-np.arange(grid + 1) * (leaf_prog.size - 1) // grid)]  # [G + 1]
     nn, nt = np.diff(node_prog), np.diff(tail_prog)
@@ -76,5 +77,5 @@ def fused_order(node_prog: np.ndarray, leaf_prog: np.ndarray, n_node: int):
     items = np.empty(int(ptr[-1]), dtype=np.int64)
     items[np.repeat(ptr[:-1] + np.where(odd, nt, 0) - node_prog[:-1], nn) + np.arange(n_node)] = np.arange(n_node)
     items[np.repeat(ptr[:-1] + np.where(odd, 0, nn) - tail_prog[:-1], nt) + np.arange(n_leaf)] = \
-        n_node + np.arange(n_leaf)
+        -1 - np.arange(n_leaf)
     return items, ptr

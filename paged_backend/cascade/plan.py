@@ -100,10 +100,11 @@ class CascadePlan:
 
     def launch_key(self) -> tuple:
         """What the kernels' launches take from the plan besides its buffers' contents: grids, tiles,
-        the node piece count, which launches run, the merge's tile (:func:`fold_states`). Plans of
-        one arena with equal keys launch identically, so a CUDA graph of one replays the other."""
+        which launches run, the merge's tile (:func:`fold_states`) - not the piece counts, which the
+        kernels read from the lists (so a forest that loses a request keeps its key). Plans of one
+        arena with equal keys launch identically, so a CUDA graph of one replays the other."""
         return (self.batch_size, self.window, self.is_flat, self.block_m, self.node_block_n, self.block_n,
-                self.node_programs, self.leaf_programs, self.num_node_pieces, self.num_leaf_pieces > 0,
+                self.node_programs, self.leaf_programs, self.num_node_pieces > 0, self.num_leaf_pieces > 0,
                 "fused_items" in self.views, fold_block_p(self.max_merge_len))
 
     @property
