@@ -130,17 +130,19 @@ def test_send_views_each_parts_entries():
 @pytest.mark.kernel
 def test_a_forest_that_loses_requests_keeps_its_launches():
     """Two prompts' samples in one batch, then one prompt's samples finished (padding rows of length
-    0, as in the engine's padded batches): the new forest has fewer node pieces but the same launch
-    key (the kernels read the counts from the plan's lists), and the first plan's launches - as the
-    CUDA graph captured with it would replay them - give the new step's exact attention."""
+    0, as in the engine's padded batches): the new forest has fewer node pieces and shorter merge lists
+    but the same launch key (the kernels read the counts from the plan's lists; the fold loads the
+    arena's longest lists so far), and the first plan's launches - as the CUDA graph captured with it
+    would replay them - give the new step's exact attention."""
     bs, hq, hkv, d, n, width = 4, 8, 2, 64, 8, 16
     table = np.zeros((n, width), np.int32)
     table[:4, :5], table[4:, :3] = np.arange(5), 5 + np.arange(3)  # prompt A: 5 shared blocks, B: 3
-    private = 8 + np.arange(2 * n, dtype=np.int32).reshape(n, 2)
-    table[:4, 5:7], table[4:, 3:5] = private[:4], private[4:]
-    lens = np.array([7 * bs - 2] * 4 + [5 * bs - 1] * 4, np.int64)
+    table[4:6, 3], table[6:, 3] = 8, 9  # B's samples in two pairs sharing one block more: lists of 3
+    private = 10 + np.arange(2 * n, dtype=np.int32).reshape(n, 2)
+    table[:4, 5:7], table[4:, 4:6] = private[:4], private[4:]
+    lens = np.array([7 * bs - 2] * 4 + [6 * bs - 1] * 4, np.int64)
     torch.manual_seed(0)
-    k, v = torch.randn(8 + 2 * n, bs, hkv, d), torch.randn(8 + 2 * n, bs, hkv, d)
+    k, v = torch.randn(10 + 2 * n, bs, hkv, d), torch.randn(10 + 2 * n, bs, hkv, d)
     table_dev = torch.from_numpy(table.copy())
     kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device="cpu", cost=KEEP_ALL,
               block_table_device=table_dev)
@@ -154,6 +156,7 @@ def test_a_forest_that_loses_requests_keeps_its_launches():
     plan = pb.plan_cascade(table, lens, arena=arena, **kw)
     assert plan.arena is arena and 0 < plan.num_node_pieces < first.num_node_pieces
     assert plan.launch_key() == first.launch_key()
+    assert plan.max_merge_len == first.max_merge_len == 3  # (its own lists: 2 long)
     q, bt, lens_t = torch.randn(n, hq, d), torch.from_numpy(table), torch.from_numpy(lens).int()
     check_exact(q, k, v, bt, lens_t, plan, torch.float32)
     if use_triton(q):  # (the torch path reads the plan's host arrays, not its buffers)
