@@ -131,9 +131,10 @@ def test_send_views_each_parts_entries():
 def test_a_forest_that_loses_requests_keeps_its_launches():
     """Two prompts' samples in one batch, then one prompt's samples finished (padding rows of length
     0, as in the engine's padded batches): the new forest has fewer node pieces and shorter merge lists
-    but the same launch key (the kernels read the counts from the plan's lists; the fold loads the
-    arena's longest lists so far), and the first plan's launches - as the CUDA graph captured with it
-    would replay them - give the new step's exact attention."""
+    but the same launch key (the kernels read the counts from the plan's lists; the fold loads as many
+    states at once as the arena's first plan's longest list), and the first plan's launches - as the
+    CUDA graph captured with it would replay them - give the new step's exact attention. The other way
+    round too: an arena first planned with the short lists takes the longer ones in more rounds."""
     bs, hq, hkv, d, n, width = 4, 8, 2, 64, 8, 16
     table = np.zeros((n, width), np.int32)
     table[:4, :5], table[4:, :3] = np.arange(5), 5 + np.arange(3)  # prompt A: 5 shared blocks, B: 3
@@ -143,7 +144,7 @@ def test_a_forest_that_loses_requests_keeps_its_launches():
     lens = np.array([7 * bs - 2] * 4 + [6 * bs - 1] * 4, np.int64)
     torch.manual_seed(0)
     k, v = torch.randn(10 + 2 * n, bs, hkv, d), torch.randn(10 + 2 * n, bs, hkv, d)
-    table_dev = torch.from_numpy(table.copy())
+    table_dev, nested, nested_lens = torch.from_numpy(table.copy()), table.copy(), lens.copy()
     kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device="cpu", cost=KEEP_ALL,
               block_table_device=table_dev)
     arena = CascadeArena.grown_for(pb.plan_cascade(table, lens, **kw))
@@ -161,3 +162,12 @@ def test_a_forest_that_loses_requests_keeps_its_launches():
     check_exact(q, k, v, bt, lens_t, plan, torch.float32)
     if use_triton(q):  # (the torch path reads the plan's host arrays, not its buffers)
         check_exact(q, k, v, bt, lens_t, first, torch.float32)
+    short = CascadeArena.grown_for(first)  # (room for both forests; its first plan the short lists)
+    before = pb.plan_cascade(table, lens, arena=short, **kw)
+    table_dev.copy_(torch.from_numpy(nested))
+    longer = pb.plan_cascade(nested, nested_lens, arena=short, **kw)
+    assert longer.arena is short and longer.launch_key() == before.launch_key() and longer.max_merge_len == 2
+    q, bt, lens_t = torch.randn(n, hq, d), torch.from_numpy(nested), torch.from_numpy(nested_lens).int()
+    check_exact(q, k, v, bt, lens_t, longer, torch.float32)
+    if use_triton(q):
+        check_exact(q, k, v, bt, lens_t, before, torch.float32)

@@ -38,8 +38,8 @@ class CascadeArena:
         self.partial_o = torch.empty(self.slots, group, head_dim, dtype=torch.float32, device=self.device)
         self.partial_lse = torch.empty(self.slots, group, dtype=torch.float32, device=self.device)
         self._views: tuple = ((), {})  # the last send's (sizes, views): steady steps keep their sizes
-        # the longest merge list of the plans made in it so far: their fold loads that many states at
-        # once, so a forest whose lists shrink (requests finishing) keeps its launches
+        # the longest merge list of the first plan made in it: every plan's fold loads that many states
+        # at once (longer lists take more rounds), so a forest whose lists change keeps its launches
         self.fold_len = 0
 
     @classmethod

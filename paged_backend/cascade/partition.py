@@ -221,8 +221,8 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     plan.num_node_pieces, plan.num_leaf_pieces = int(seg.size), int(n_leaf)
     plan.num_slots = n_node_slots + int(n_leaf)
     plan.max_merge_len = int(count.max())
-    if plan.arena is not None:  # an arena's plans fold alike (the launch key): by its longest lists so far
-        plan.max_merge_len = plan.arena.fold_len = max(plan.arena.fold_len, plan.max_merge_len)
+    if plan.arena is not None:  # an arena's plans fold alike (the launch key): as its first plan's lists
+        plan.max_merge_len = plan.arena.fold_len = plan.arena.fold_len or plan.max_merge_len
     return src, h
 
 
