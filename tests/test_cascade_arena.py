@@ -3,6 +3,8 @@ launches of an earlier plan (as a CUDA graph captured with it replays) and gives
 exact attention; plans that outgrow the arena are refused and fit a grown one."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -96,6 +98,41 @@ def test_a_plan_that_outgrows_its_arena_fits_a_grown_one(seed):
     again = pb.plan_cascade(bt, lens, block_table_device=bt, arena=grown, **kw)
     assert again.arena is grown
     check_exact(q, k, v, bt, lens, again, torch.float32)
+
+
+def test_a_grown_arena_keeps_the_parts_its_plan_lacks():
+    """Growing an arena for a plan without some part (a plan of 64-row node tiles has no Hopper lists)
+    keeps the old arena's room for it: a later plan of the other kind fits again, where it would
+    otherwise grow the arena anew (and drop the graphs that read the old one)."""
+    old = CascadeArena({"node_work": 64, "fused_items": 96}, 8, 4, 64, "cpu")
+    plan = SimpleNamespace(host={"node_work": np.zeros(200, np.int32), "slots": np.zeros(10, np.int32)},
+                           num_slots=10, num_q_heads=8, num_kv_heads=2, head_dim=64, device=torch.device("cpu"))
+    grown = CascadeArena.grown_for(plan, old)
+    assert grown.capacity["fused_items"] == 96 and grown.capacity["node_work"] >= 200
+    assert grown.capacity["slots"] >= 10 and grown.slots >= 20
+
+
+@pytest.mark.kernel
+def test_a_copied_partition_sets_the_fold_tile():
+    """A plan whose partition is copied from the last step's (only the tails grew) is the first of a
+    fresh arena: it sets the arena's fold tile too, so a later plan there with other merge lists
+    keeps its launch key."""
+    bs, hq, hkv, d, n, width = 4, 8, 2, 64, 8, 16
+    table = np.zeros((n, width), np.int32)
+    table[:4, :5], table[4:, :3] = np.arange(5), 5 + np.arange(3)
+    table[4:6, 3], table[6:, 3] = 8, 9  # lists of 3 for prompt B's samples
+    private = 10 + np.arange(2 * n, dtype=np.int32).reshape(n, 2)
+    table[:4, 5:7], table[4:, 4:6] = private[:4], private[4:]
+    lens = np.array([7 * bs - 3] * 4 + [6 * bs - 2] * 4, np.int64)
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device="cpu", cost=KEEP_ALL,
+              block_table_device=torch.from_numpy(table.copy()))
+    last = pb.plan_cascade(table, lens, **kw)
+    arena = CascadeArena.grown_for(last)
+    copied = pb.plan_cascade(table, lens + 1, forest=last, arena=arena, **kw)
+    assert copied.arena is arena and arena.fold_len == copied.max_merge_len == 3
+    table[4:], lens[4:] = 0, 0  # prompt B's samples finished: lists of 2
+    later = pb.plan_cascade(table, lens + 2, arena=arena, **kw)
+    assert later.arena is arena and later.launch_key() == copied.launch_key()
 
 
 def test_arena_argument_checks():

@@ -48,8 +48,8 @@ class CascadeArena:
         room of ``old``."""
         cap = {name: HEADROOM * v.size + 2 * ALIGN for name, v in plan.host.items() if name != "block_table"}
         slots = HEADROOM * max(1, plan.num_slots)
-        if old is not None:
-            cap = {name: max(n, old.capacity.get(name, 0)) for name, n in cap.items()}
+        if old is not None:  # (old's parts the plan lacks kept too: plans of the other kind fit again)
+            cap = {name: max(cap.get(name, 0), old.capacity.get(name, 0)) for name in {**old.capacity, **cap}}
             slots = max(slots, old.slots)
         group = plan.num_q_heads // plan.num_kv_heads
         return cls(cap, slots, group, plan.head_dim, plan.device)

@@ -60,6 +60,8 @@ def partition(plan, group: int, node_programs, leaf_programs, block_table_device
         src, h = _copy_partition(plan, forest, block_table_device)
     else:
         src, h = _new_partition(plan, group, node_programs, gl, sms, block_table_device, cost)
+    if plan.arena is not None:  # an arena's plans fold alike (the launch key): as its first plan's lists
+        plan.max_merge_len = plan.arena.fold_len = plan.arena.fold_len or plan.max_merge_len
     upload(plan, src, h, block_table_device)
     plan.views["node_work"] = plan.views["node_work"].view(-1, NODE_FIELDS)
     plan.views["leaf_work"] = plan.views["leaf_work"].view(-1, LEAF_FIELDS)
@@ -221,8 +223,6 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     plan.num_node_pieces, plan.num_leaf_pieces = int(seg.size), int(n_leaf)
     plan.num_slots = n_node_slots + int(n_leaf)
     plan.max_merge_len = int(count.max())
-    if plan.arena is not None:  # an arena's plans fold alike (the launch key): as its first plan's lists
-        plan.max_merge_len = plan.arena.fold_len = plan.arena.fold_len or plan.max_merge_len
     return src, h
 
 
