@@ -12,9 +12,10 @@ For each padded batch size (as :func:`graphs.padded_size`) there are static inpu
 sliding window and the graphs of the launch keys seen so far (with the draw's ``SampleMode``): a
 key holds grids, tiles and which launches run, not the piece counts nor the merge lists' lengths
 (the fold's tile is the arena's), so it changes when a forest gains or loses its nodes altogether or
-its node tile changes, rarely; the graphs outlive a ``generate`` call. A new key captures its graph then (an eager warm-up on the step's own inputs, whose
-KV writes the replay repeats with the same values, then the capture and the replay); a plan that
-outgrows its arena grows it, dropping that size's graphs. Padding rows have length 0 (no node, no
+its node tile changes, rarely; the graphs outlive a ``generate`` call. A new key captures its graph
+then (an eager warm-up on the step's own inputs, whose KV writes the replay repeats with the same
+values, then the capture and the replay); a plan that outgrows its arena grows it, dropping that
+size's graphs. Padding rows have length 0 (no node, no
 tail: attention gives 0), slot -1 and token 0; their logits are dropped.
 """
 from __future__ import annotations

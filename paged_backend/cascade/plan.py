@@ -83,7 +83,8 @@ class CascadePlan:
     num_node_pieces: int = 0
     num_leaf_pieces: int = 0
     num_slots: int = 0
-    max_merge_len: int = 1   # longest list of partial slots merged into one (request, kv_head); in an arena, its first plan's
+    # longest list of partial slots merged into one (request, kv_head); in an arena, its first plan's
+    max_merge_len: int = 1
     window: int | None = None  # sliding window: nodes trimmed to their members' windows, tails from the window
     # with a window: the forest before trimming, (ptr, members, start, end, level) in blocks, for reuse
     forest_nodes: tuple = field(default=None, repr=False)
