@@ -95,7 +95,7 @@ class CascadeGraphs:
         else:
             with torch.inference_mode():
                 g.replay()
-        return step_outputs(g.out, b, draw is not None)
+        return step_outputs(g.out, inp, b, draw is not None)
 
     def _plan(self, batch, inp: StaticInputs) -> dict:
         """The step's cascade plans on the padded rows, in the size's arenas (grown where a plan does
@@ -135,6 +135,7 @@ class _CascadeGraph:
                 self.replay()
             return
         # one warm-up: the step's own inputs (its KV writes are the replay's), kernels compiled
-        graph, self.out = capture(run, pool, inp.ids.device, warmups=1)  # (logits [size, V], Sampled or None)
+        with inp.ids_kept():
+            graph, self.out = capture(run, pool, inp.ids.device, warmups=1)  # (logits [size, V], Sampled or None)
         self.replay = graph.replay
         graph.replay()

@@ -23,6 +23,7 @@ per sample) or as a cascade (reading it once, with a plan made on the host each 
 """
 from __future__ import annotations
 
+import contextlib
 
 import numpy as np
 import torch
@@ -54,9 +55,15 @@ class StaticInputs:
     ``ids``, ``pos`` [1, size] int64, ``slots`` [size] int64,
     ``table`` [size, width] int32, ``lens`` [size] int32, and the draw's ``keys`` [size] int64 (noise)
     and settings (``SampleSettings``: ``k`` int64, ``temp``, ``min_p``, ``top_p`` float32, ``greedy``
-    bool). Padding rows: token 0 at position 0, slot -1 (nothing is written), length 0 (attention
-    gives 0), key 0 at temperature 1 with no filter (a draw whose token is dropped). ``host``: {name:
-    the host array last copied}."""
+    bool). Padding rows: token 0 (or the last draw's) at position 0, slot -1 (nothing is written),
+    length 0 (attention gives 0), key 0 at temperature 1 with no filter (a draw whose token is
+    dropped). ``host``: {name: the host array last copied}.
+
+    A graph that draws writes its tokens into ``ids`` (the next step's input ids where it runs ahead
+    on the same inputs: :meth:`fill` then leaves them on the device) and the tokens and their
+    log-probabilities into ``drawn`` [size, 2] float64 (one copy to the host), so between two steps
+    the device runs only their copies (H200, 2026-11-29: five small kernels and copies fewer, ~57 us
+    of GPU idle between the 8B shape's steps before)."""
 
     # the draw's settings of a padding row (and of every row of a step the graph does not draw)
     PAD = dict(keys=0, k=1, temp=1.0, min_p=0.0, top_p=np.inf, greedy=False)
@@ -85,10 +92,12 @@ class StaticInputs:
             setattr(self, name, self.buffer[at:at + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape))
             at += a.nbytes
         self._rows = self._cols = 0  # the table's rows and columns that may hold block ids, here and there
+        self.drawn = torch.zeros(size, 2, dtype=torch.float64, device=device)
 
     def fill(self, batch, ids: torch.Tensor | None = None, draw=None) -> None:
         """Copies ``batch`` (decode-only, at most ``size`` rows) in, the rest padding. ``ids`` [B] on
-        the device: input ids that replace ``batch.input_ids`` (a step run ahead). ``draw``: the
+        the device: input ids that replace ``batch.input_ids`` (a step run ahead; where they are
+        these inputs' own ``ids``, written by the last graph's draw, they stay). ``draw``: the
         rows' ``(SampleSettings, noise keys [B])`` for the graph's draw, or None (the padding's
         values: the graph's draw is not used)."""
         b = len(batch.seqs)
@@ -117,13 +126,23 @@ class StaticInputs:
         host = src.numpy()
         np.concatenate([a.reshape(-1).view(np.uint8) for n, a in h.items() if n != "table"], out=host[:self._parts])
         host[self._head:].view(np.int32).reshape(self.size, -1)[...] = t if whole else t[:, :c]
+        own = ids is not None and ids.data_ptr() == self.ids.data_ptr()  # (ids first in the buffer: skipped)
+        at = self.ids.nbytes if own else 0
         if whole:
-            self.buffer.copy_(src, non_blocking=True)
+            self.buffer[at:].copy_(src[at:], non_blocking=True)
         else:
-            self.buffer[:self._head].copy_(src[:self._head], non_blocking=True)
+            self.buffer[at:self._head].copy_(src[at:self._head], non_blocking=True)
             self.table[:, :c].copy_(src[self._head:].view(torch.int32).view(self.size, c), non_blocking=True)
-        if ids is not None:
+        if ids is not None and not own:
             self.ids[0, :b].copy_(ids)
+
+    @contextlib.contextmanager
+    def ids_kept(self):
+        """Leaves ``ids`` as it finds them: a warm-up run's draw writes its tokens there, and the step's
+        own run follows it."""
+        saved = self.ids.clone()
+        yield
+        self.ids.copy_(saved)
 
 
 def capture(run, pool, device: torch.device, warmups: int = 2):
@@ -146,26 +165,32 @@ def step_forward(model, inp: StaticInputs, rows: torch.Tensor, step, sample=None
     """The forward a decode step's graph holds, on ``inp``'s buffers (``rows``: ``arange(size)``, the
     rows whose logits it keeps) -> a callable giving ``(logits [size, V], Sampled [size] or None)``:
     with ``sample`` (``Sampler.sample``) every row drawn in the same graph by ``mode`` (a
-    ``SampleMode``) at its settings and key in ``inp`` (a step whose rows draw otherwise ignores them)."""
+    ``SampleMode``) at its settings and key in ``inp`` (a step whose rows draw otherwise ignores them),
+    its tokens written into ``inp.ids`` and, with their log-probabilities, ``inp.drawn``."""
     def run():
         logits = model(input_ids=inp.ids, position_ids=inp.pos, use_cache=False, logits_to_keep=rows,
                        paged_step=step).logits[0]
         if sample is None:
             return logits, None
-        return logits, sample(logits, mode, inp.k, inp.temp, inp.min_p, inp.top_p, inp.greedy, inp.keys)
+        s = sample(logits, mode, inp.k, inp.temp, inp.min_p, inp.top_p, inp.greedy, inp.keys)
+        inp.ids[0].copy_(s.tokens)  # (the embedding read them at the start: the next step's, in place)
+        inp.drawn[:, 0].copy_(s.tokens)
+        inp.drawn[:, 1].copy_(s.logprobs)
+        return logits, s
     return run
 
 
-def step_outputs(out: tuple, b: int, drawn: bool):
-    """A graph's outputs (:func:`step_forward`) for a batch of ``b`` rows -> (logits [b, V], the
-    ``Sampled`` of its rows where the graph drew them for the batch (``drawn``), else None). The tokens
-    are a copy: they outlive the step (the next one's input ids), and a view would keep the graph's
-    memory pool in use after the graph is dropped (torch then fails the next capture into that pool)."""
+def step_outputs(out: tuple, inp: StaticInputs, b: int, drawn: bool):
+    """A graph's outputs (:func:`step_forward`) on ``inp`` for a batch of ``b`` rows -> (logits [b, V],
+    the ``Sampled`` of its rows where the graph drew them for the batch (``drawn``), else None). The
+    tokens and ``packed`` are views of ``inp.ids`` and ``inp.drawn``, not of the graph's outputs: they
+    outlive the step (the next one's input ids), and a view of the graph's memory pool would keep it
+    in use after the graph is dropped (torch then fails the next capture into that pool)."""
     logits, s = out
     if not drawn or s is None:
         return logits[:b], None
     top = (None, None) if s.top_ids is None else (s.top_ids[:b], s.top_logprobs[:b])
-    return logits[:b], Sampled(s.tokens[:b].clone(), s.logprobs[:b], *top)
+    return logits[:b], Sampled(inp.ids[0, :b], s.logprobs[:b], *top, packed=inp.drawn[:b])
 
 
 class _Graph:
@@ -198,10 +223,12 @@ class _Graph:
             return got
         run = step_forward(self.model, self.inputs, self.rows, self.step, self.sample, mode)
         if self.capture_it:
-            graph, out = capture(run, self.pool, self.rows.device)  # (logits [size, V], Sampled or None)
+            with self.inputs.ids_kept():
+                graph, out = capture(run, self.pool, self.rows.device)  # (logits [size, V], Sampled or None)
             got = self.modes[mode] = [graph.replay, out]
             return got
-        with torch.inference_mode():  # the same buffers, plan and warm-up, run eagerly (the plumbing on the CPU)
+        # the same buffers, plan and warm-up, run eagerly (the plumbing on the CPU)
+        with torch.inference_mode(), self.inputs.ids_kept():
             got = self.modes[mode] = [None, run()]
         got[0] = lambda: got.__setitem__(1, run())
         return got
@@ -221,7 +248,7 @@ class _Graph:
             mark()
         with torch.inference_mode():
             got[0]()
-        return step_outputs(got[1], len(batch.seqs), draw is not None)
+        return step_outputs(got[1], self.inputs, len(batch.seqs), draw is not None)
 
 
 class DecodeGraphs:

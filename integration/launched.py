@@ -22,7 +22,7 @@ class Launched:
     batch: object
     kind: str             # how its attention ran (engine: GRAPH, CASCADE, DECODE, PREFILL)
     tokens: torch.Tensor  # [S] int64 on the device: the sampled ids (a chained step's input ids)
-    host: torch.Tensor    # [2, S] float64 on the host: tokens and their log-probabilities, once copied
+    host: torch.Tensor    # [S, 2] float64 on the host: tokens and their log-probabilities, once copied
     top: tuple | None     # host (ids [S, K], log-probabilities [S, K]) of the top log-probabilities, or None
     copied: torch.cuda.Event | None  # recorded after the copies (None on the CPU: nothing to wait for)
     t0: float             # host clock when the step began
@@ -35,7 +35,9 @@ class Launched:
     def start(cls, batch, kind: str, sampled: Sampled, t0: float, t_issued: float, captured: bool,
               events) -> "Launched":
         """Queues the copies of ``sampled`` to the host behind the step's kernels."""
-        packed = torch.stack([sampled.tokens.double(), sampled.logprobs.double()])  # [2, S]
+        packed = sampled.packed  # [S, 2] (a graph's draw packs them itself: no kernels between steps)
+        if packed is None:
+            packed = torch.stack([sampled.tokens.double(), sampled.logprobs.double()], dim=1)
         top = None if sampled.top_ids is None else (sampled.top_ids, sampled.top_logprobs)
         copied = None
         if packed.is_cuda:
@@ -47,7 +49,7 @@ class Launched:
             copied = torch.cuda.Event()
             copied.record()
         else:
-            host = packed
+            host = packed.clone()  # (a graph's packed draw is rewritten by its next run)
         return cls(batch, kind, sampled.tokens, host, top, copied, t0, t_issued, captured, events)
 
     def wait(self) -> tuple[np.ndarray, np.ndarray, tuple | None]:
@@ -57,4 +59,4 @@ class Launched:
             self.copied.synchronize()
         host = self.host.numpy()
         top = None if self.top is None else tuple(t.numpy() for t in self.top)
-        return host[0].astype(np.int64), host[1], top
+        return host[:, 0].astype(np.int64), host[:, 1], top

@@ -14,8 +14,11 @@ class PathChoice:
     The cascade's time is the median of the last :data:`WINDOW` cascade steps; the flat step's, its
     bytes (the weights and every row's KV at the copy bandwidth) times the median ratio of the flat
     graph steps' times to their bytes (1 until one ran). The first :data:`PROBES` shared steps take
-    the cascade (to time it), as they do again after :data:`REPROBE` shared steps in a row went
-    flat and at the start of each engine call (:meth:`new_run`: a cascade's time depends on the
+    the cascade (to time it), as they do again after :data:`REPROBE_FIRST` shared steps in a row went
+    flat - twice as many after each probe that kept the flat path, up to :data:`REPROBE` (a few host-
+    bound cascade steps can send a run flat: on an H200, the 8B shape's rollouts of 16 prompts timed
+    cascade steps at 8 ms where they take 3.8, and ran the rest of the call flat at 5.7-6 ms) - and at
+    the start of each engine call (:meth:`new_run`: a cascade's time depends on the
     batch's forest, and a time of an earlier call's batch must not hold a run on the flat path; the
     call's first :data:`SETTLE` shared steps are not timed: on an H200, SmolLM2's shape, a call whose
     probes included them went flat for 128 steps at 4.8 ms, against the cascade's 3.7 ms steady). The
@@ -26,6 +29,7 @@ class PathChoice:
     WINDOW = 7
     PROBES = 2
     MARGIN = 1.1
+    REPROBE_FIRST = 16
     REPROBE = 128
     SETTLE = 3
 
@@ -39,6 +43,7 @@ class PathChoice:
         self.last = None  # the path of the last shared step ("cascade" or "flat")
         self.changed = False  # the last shared step changed path: its time is not noted
         self.flat_run = 0  # shared steps in a row that went flat
+        self.reprobe = self.REPROBE_FIRST  # flat steps in a row after which the cascade is timed again
         self.settle = 0  # shared steps left whose time is not noted
 
     def new_run(self) -> None:
@@ -47,17 +52,21 @@ class PathChoice:
         copied, the forest found, graphs of new plan shapes captured)."""
         self.cascade_s.clear()
         self.settle = self.SETTLE
+        self.reprobe = self.REPROBE_FIRST
 
     def cascade(self, batch) -> bool:
         """Whether ``batch`` (decode-only, rows sharing blocks) should take the cascade."""
-        if self.flat_run >= self.REPROBE:  # time the cascade again
+        if self.flat_run >= self.reprobe:  # time the cascade again (and wait longer for the next time)
             self.cascade_s.clear()
+            self.reprobe = min(2 * self.reprobe, self.REPROBE)
         if len(self.cascade_s) < self.PROBES:
             choice = True
         else:
             casc = float(np.median(self.cascade_s))
             flat = self._flat_floor(batch) * (float(np.median(self.flat_ratio)) if self.flat_ratio else 1.0)
             choice = casc * self.MARGIN < flat if self.last == "flat" else casc < flat * self.MARGIN
+            if choice:  # the cascade won on its times: a later flat spell is probed early again
+                self.reprobe = self.REPROBE_FIRST
         path = "cascade" if choice else "flat"
         self.changed, self.last = self.last is not None and path != self.last, path
         self.flat_run = 0 if choice else self.flat_run + 1

@@ -61,11 +61,14 @@ class SampleRows:
 @dataclass
 class Sampled:
     """Device results for S rows: ``tokens [S]`` int64, ``logprobs [S]`` float32 (raw
-    log-probability of each sampled token), ``top_ids``/``top_logprobs [S, K]`` or None."""
+    log-probability of each sampled token), ``top_ids``/``top_logprobs [S, K]`` or None, and
+    ``packed [S, 2]`` float64 (tokens and log-probabilities side by side, what goes to the host in
+    one copy) where the draw wrote it, or None."""
     tokens: torch.Tensor
     logprobs: torch.Tensor
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
 
 
 class Sampler:

@@ -74,14 +74,20 @@ class BlockManager:
         self.ref[b] += 1
         self.num_held += 1
 
-    def _release(self, b: int) -> None:
-        r = self.ref[b] - 1
-        self.ref[b] = r
-        self.num_held -= 1
-        if r == 0:
-            self.free_ids[b] = None  # most recently used end: evicted last
-            if self.block_hash[b] is None:
-                self.free_ids.move_to_end(b, last=False)  # nothing cached: reuse first
+    def _release(self, blocks: Iterable[int]) -> None:
+        """One holding fewer of each of ``blocks``; those no one holds go back to the pool. (One
+        loop with the lists bound locally: a finishing sample drops every block of its prompt, and
+        64 samples of a 4K prompt are ~17K releases in one step.)"""
+        ref, free, hashes, n = self.ref, self.free_ids, self.block_hash, 0
+        for b in blocks:
+            r = ref[b] - 1
+            ref[b] = r
+            n += 1
+            if r == 0:
+                free[b] = None  # most recently used end: evicted last
+                if hashes[b] is None:
+                    free.move_to_end(b, last=False)  # nothing cached: reuse first
+        self.num_held -= n
 
     def _new_row(self, nblocks: int) -> int:
         if not self._free_rows:
@@ -291,7 +297,7 @@ class BlockManager:
             b = bt[bi]
             if ref[b] > 1:  # copy on write
                 nb = self._alloc_block()
-                self._release(b)
+                self._release((b,))
                 bt[bi] = nb
                 self.table[s.row, bi] = nb
                 copies.append((b, nb))
@@ -336,8 +342,7 @@ class BlockManager:
         or for a sequence not in the step being built (its KV must be written)."""
         if self.enable_prefix_caching and seq.block_table:
             self._register(seq, seq.num_computed_tokens // self.block_size)
-        for b in reversed(seq.block_table):
-            self._release(b)
+        self._release(reversed(seq.block_table))
         if seq.row >= 0:
             self.table[seq.row, :len(seq.block_table)] = 0
             self._free_rows.append(seq.row)

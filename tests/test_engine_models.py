@@ -617,7 +617,8 @@ def test_path_choice_times_both_paths_and_holds_its_path():
     """The cascade/flat choice: the first steps probe the cascade; then the median of recent cascade
     steps against the flat step's bytes times the flat graph steps' measured ratio to them; a path
     changes only for a gain over the margin, and the step after a change is not timed; the cascade
-    is timed again after REPROBE flat steps in a row and at each engine call's start."""
+    is timed again after REPROBE_FIRST flat steps in a row, then after twice as many each time the
+    flat path holds (up to REPROBE), and at each engine call's start."""
     from types import SimpleNamespace
 
     from paged_backend.integration.path_choice import PathChoice
@@ -640,10 +641,25 @@ def test_path_choice_times_both_paths_and_holds_its_path():
     assert choice.cascade(batch)
     choice.note_cascade(5.0)  # (not timed either)
     assert list(choice.cascade_s)[-1] == 1.2
-    for s in (3.0, 3.0, 3.0, 3.0):  # the cascade slow now: flat again, REPROBE shared steps in a row
+    for s in (3.0, 3.0, 3.0, 3.0):  # the cascade slow now: flat again, REPROBE_FIRST shared steps in a row
         choice.note_cascade(s)
-    assert not any(choice.cascade(batch) for _ in range(choice.REPROBE))
-    assert choice.cascade(batch) and choice.cascade(batch)  # then the cascade is timed afresh
+    wait = choice.REPROBE_FIRST
+    for _ in range(5):  # each probe that keeps flat waits twice as long for the next one, up to REPROBE
+        assert not any(choice.cascade(batch) for _ in range(wait - choice.flat_run))
+        assert choice.cascade(batch) and choice.cascade(batch)  # then the cascade is timed afresh
+        choice.note_cascade(3.0)  # (the step after the change: not timed)
+        choice.note_cascade(3.0)
+        choice.note_cascade(3.0)
+        assert not choice.cascade(batch)  # slow still: flat
+        choice.note_flat(9.0, batch)  # (not timed)
+        wait = min(2 * wait, choice.REPROBE)
+        assert choice.reprobe == wait and choice.flat_run == 1
+    assert wait == choice.REPROBE == 128
+    assert not any(choice.cascade(batch) for _ in range(wait - 1))
+    assert choice.cascade(batch) and choice.cascade(batch)
+    for s in (0.5, 0.5, 0.5):  # fast now: the cascade wins on its times, the next flat spell is probed early
+        choice.note_cascade(s)
+    assert choice.cascade(batch) and choice.reprobe == choice.REPROBE_FIRST
     choice.note_flat(1.5, batch)
     choice.new_run()  # an engine call starts: the cascade's earlier times are dropped, it probes
     assert not choice.cascade_s and choice.cascade(batch)

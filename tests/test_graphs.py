@@ -45,3 +45,29 @@ def test_fill_steps(device, width):
         for name, value in want.items():
             got = getattr(inp, name).cpu().numpy()
             assert np.array_equal(got, value.astype(got.dtype)), (b, cols, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("width", [12, 64])
+def test_fill_leaves_the_ids_a_graph_drew(device, width):
+    """A step run ahead on the inputs whose graph drew its input ids (``ids``: a view of ``inp.ids``)
+    keeps them on the device - the host's placeholders do not go up over them, in either kind of copy
+    - while the rest is the batch's; ids from elsewhere are copied in over the host's; ``ids_kept``
+    undoes what a warm-up's draw writes."""
+    size, b, rng = 8, 6, np.random.default_rng(1)
+    inp = StaticInputs(size, width, torch.device(device))
+    inp.fill(decode_batch(rng, b, 5))
+    drawn = torch.arange(100, 100 + size, device=device)
+    inp.ids[0].copy_(drawn)  # what the graph's draw leaves
+    batch = decode_batch(rng, b, 5)  # (its input ids: the host's placeholders)
+    inp.fill(batch, inp.ids[0, :b])
+    assert torch.equal(inp.ids[0], drawn)
+    assert np.array_equal(inp.pos[0, :b].cpu().numpy(), batch.positions)
+    assert np.array_equal(inp.table[:b, :5].cpu().numpy(), batch.block_tables)
+    assert np.array_equal(inp.slots[:b].cpu().numpy(), batch.slot_mapping)
+    other = torch.arange(7, 7 + b, device=device)
+    inp.fill(batch, other)
+    assert inp.ids[0].tolist() == other.tolist() + [0] * (size - b)
+    with inp.ids_kept():
+        inp.ids.fill_(3)
+    assert inp.ids[0].tolist() == other.tolist() + [0] * (size - b)
