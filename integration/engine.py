@@ -259,7 +259,7 @@ class LLM:
             rows, fork = self.samples.rows(batch)
             # a decode step's graph draws its rows (unless they fork: the sampler draws after the graph)
             draw = (self.sampler.settings(rows), rows.key) if fork is None and rows.key.size else None
-            kind, logits, drawn = self._forward(batch, events, None if prev is None else prev.tokens, draw)
+            kind, logits, drawn = self._forward(batch, events, None if prev is None else _ids_from(prev, batch), draw)
             with torch.inference_mode():
                 if fork is not None:
                     logits = logits.repeat_interleave(torch.from_numpy(fork).to(logits.device), dim=0,
@@ -447,6 +447,22 @@ class LLM:
 # other core: SmolLM2-135M, 2 cores with one core loaded, 8 -> 23 tok/s (transformers' generate
 # at 2 threads: 8.5); an idle host runs at the same speed either way.
 CPU_SERIAL_TOKENS = 8
+
+
+def _ids_from(prev: Launched, batch) -> torch.Tensor:
+    """The input ids [B] on the device of ``batch``, a step run ahead of ``prev``: ``prev``'s tokens,
+    those of its rows that go on (``Scheduler.run_ahead`` leaves out samples ending by length)."""
+    was, now = prev.batch.seq_ids, batch.seq_ids
+    if len(now) == len(was):
+        return prev.tokens
+    order = np.argsort(was)
+    at = order[np.minimum(np.searchsorted(was, now, sorter=order), len(was) - 1)]
+    if not np.array_equal(was[at], now):
+        raise RuntimeError("a step run ahead holds a row the step before it lacks (a bug: please report it)")
+    index = torch.from_numpy(at)
+    if prev.tokens.is_cuda:  # (pinned: a pageable copy would wait for the step in flight)
+        index = index.pin_memory().to(prev.tokens.device, non_blocking=True)
+    return prev.tokens[index]
 
 
 def _serial_cpu_step(device: torch.device, num_tokens: int) -> int:

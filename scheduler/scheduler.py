@@ -266,29 +266,35 @@ class Scheduler:
     def can_run_ahead(self, batch: ScheduledBatch) -> bool:
         """Whether the next step may be scheduled before ``batch``'s tokens are back (the engine
         runs it meanwhile, its input ids taken on the device): ``batch`` decoded every running
-        sample, nothing waits, no sample ends by length with it, and every sample has a free block
-        for its next token (no preemption). A sample that ends on EOS or a stop string with
-        ``batch`` still runs once more in the next step; that row is dropped (``postprocess``)."""
+        sample, nothing waits, every sample has a free block for its next token (no preemption), and
+        some sample goes on after it. A sample that ends by length with ``batch`` is left out of the
+        next step (its rows are the others', in order: ``run_ahead``); one that ends on EOS or a stop
+        string still runs once more in it, and that row is dropped (``postprocess``)."""
         n = len(batch.seqs)
         if not n or batch.num_prefill_tokens or self.waiting or self.bm.num_free_blocks < n \
                 or batch.num_samples.max() != 1:
             return False
-        live, cap = 0, self.max_model_len
+        live = going = 0
         for g in self.running:
-            most = g.params.max_tokens
             for s in g.seqs:
                 if s.status is RUNNING:
                     live += 1
-                    n_next = len(s.token_ids) + 1  # with the token in flight
-                    if n_next - s.num_prompt_tokens >= most or (cap is not None and n_next >= cap):
-                        return False
-        return live == n
+                    going += not self._ends_by_length(s)
+        return live == n and going > 0
+
+    def _ends_by_length(self, s: Sequence) -> bool:
+        """Whether sample ``s`` ends by length with the token in flight."""
+        n_next = len(s.token_ids) + 1
+        return n_next - s.num_prompt_tokens >= s.group.params.max_tokens or \
+            (self.max_model_len is not None and n_next >= self.max_model_len)
 
     def run_ahead(self, batch: ScheduledBatch) -> None:
-        """Gives each sample of ``batch`` (``can_run_ahead``) its token in flight as ``PENDING``, so
-        the next ``schedule`` decodes it; ``postprocess(batch, ...)`` writes the real ids."""
+        """Gives each sample of ``batch`` (``can_run_ahead``) that goes on its token in flight as
+        ``PENDING``, so the next ``schedule`` decodes it; ``postprocess(batch, ...)`` writes the real
+        ids. (A sample ending by length gets no place: the next step leaves it out.)"""
         for s in batch.seqs:
-            s.token_ids.append(PENDING)
+            if not self._ends_by_length(s):
+                s.token_ids.append(PENDING)
 
     # ---------------------------------------------------------------- after the model ran
     def postprocess(self, batch: ScheduledBatch, sampled_token_ids) -> list[SequenceGroup]:

@@ -363,8 +363,9 @@ def _workload(sched):
 
 def test_steps_run_ahead_give_the_same_outputs():
     """An engine that schedules step t + 1 before step t's tokens are back (run_ahead, the ids of
-    its PENDING places read from step t's tokens) ends every request as the synchronous loop does,
-    with the same KV contents checked per step and every block freed."""
+    its PENDING places read from step t's tokens, of the rows that go on) ends every request as the
+    synchronous loop does, with the same KV contents checked per step and every block freed; steps
+    run ahead past samples ending by length too."""
     def make():
         sched = Scheduler(BlockManager(64, 4), max_num_seqs=16, max_num_batched_tokens=32)
         _workload(sched)
@@ -376,7 +377,7 @@ def test_steps_run_ahead_give_the_same_outputs():
         sync.postprocess(b, _draw(b))
     want = {rid: (g.outputs, g.finish_reasons) for rid, g in sync.requests.items()}
 
-    sched, ahead, steps, stale = make(), 0, 0, 0
+    sched, ahead, steps, stale, fewer = make(), 0, 0, 0, 0
     eng = FakeEngine(sched)
     pending = None  # (batch, its tokens)
     while pending is not None or sched.has_unfinished():
@@ -385,11 +386,15 @@ def test_steps_run_ahead_give_the_same_outputs():
             pending = (b, _draw(b))
         nxt = None
         if sched.can_run_ahead(pending[0]):
+            going = [i for i, s in enumerate(pending[0].seqs)  # (the samples not ending by length)
+                     if len(s.token_ids) + 1 - s.num_prompt_tokens < s.group.params.max_tokens]
             sched.run_ahead(pending[0])
             b = sched.schedule()
-            assert b.seq_ids.tolist() == pending[0].seq_ids.tolist() and not b.num_prefill_tokens
+            was = pending[0].seq_ids.tolist()
+            assert b.seq_ids.tolist() == [was[i] for i in going] and not b.num_prefill_tokens
+            fewer += len(going) < len(was)
             assert (b.input_ids == -1).all()  # every input id is in flight: the engine reads them on the device
-            b.input_ids[:] = pending[1]
+            b.input_ids[:] = np.asarray(pending[1])[going]
             eng.tok[b.slot_mapping] = b.input_ids
             nxt = (b, None)
             ahead += 1
@@ -403,7 +408,7 @@ def test_steps_run_ahead_give_the_same_outputs():
         pending = nxt
         steps += 1
         assert steps < 500
-    assert ahead >= steps // 3 and stale, (ahead, steps, stale)  # a row run past its stop token was dropped
+    assert ahead >= steps // 3 and stale and fewer, (ahead, steps, stale, fewer)  # (stale: a row run past its stop token was dropped)
     assert {rid: (g.outputs, g.finish_reasons) for rid, g in sched.requests.items()} == want
     assert sched.bm.num_free_blocks == sched.bm.num_blocks and sched.bm.num_held == 0
 
@@ -421,4 +426,15 @@ def test_can_run_ahead_only_in_steady_decode():
     sched.abort("b")
     sched.postprocess(b, [2, 2])
     b = sched.schedule()
-    assert not sched.can_run_ahead(b)  # both samples end by length with this step (3 tokens)
+    assert not sched.can_run_ahead(b)  # both samples end by length with this step (3 tokens): none goes on
+    sched.postprocess(b, [3, 3])
+    sched.add_request([6], SamplingParams(max_tokens=2), request_id="c")
+    sched.add_request([7], SamplingParams(max_tokens=5), request_id="d")
+    b = sched.schedule()
+    sched.postprocess(b, [1, 1])
+    b = sched.schedule()
+    assert sched.can_run_ahead(b)  # "c" ends by length with this step, "d" goes on
+    sched.run_ahead(b)
+    nxt = sched.schedule()
+    assert [s.group.request_id for s in nxt.seqs] == ["d"]  # the next step leaves "c" out
+    assert sched.postprocess(b, [4, 4])[0].request_id == "c"
