@@ -200,6 +200,29 @@ def test_gpu_graphs_draw_the_samplers_tokens(monkeypatch, path):
         assert outputs(plain.generate(prompts, params, use_tqdm=False)) == got
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("path", ["flat", "cascade"])
+def test_gpu_steps_run_ahead_past_length_ends(path):
+    """On the GPU, in graphs (flat or cascade), steps run ahead past samples that end by length - two
+    prompts whose samples stop at different steps, the later steps' input ids gathered from the
+    earlier tokens on the device - give the synchronous loop's tokens and log-probabilities."""
+    model = tiny("qwen3", seed=1)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + 50))}, {"prompt_token_ids": list(range(7, 7 + 35))}]
+    params = [SamplingParams(n=4, temperature=0.9, seed=s, max_tokens=m) for s, m in ((0, 14), (1, 6))]
+    llm = LLM(model, device="cuda", dtype="bfloat16", num_blocks=96, max_num_seqs=8,
+              cascade=CascadeCost(0, 0, 0) if path == "cascade" else False)
+    if path == "cascade":
+        llm.choice.PROBES = 10 ** 9
+    runs = {}
+    for on in (True, False):
+        llm.async_scheduling = on
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[on] = [[(c.token_ids, c.cumulative_logprob) for c in o.outputs] for o in outs], llm.last_stats.ahead_steps
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] > 5 and runs[False][1] == 0
+
+
 def _re_point(model, scale: float) -> None:
     """Each layer's q and o projections re-pointed at new tensors of other values (``p.data = t``)."""
     for layer in model.get_decoder().layers:
