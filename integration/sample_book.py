@@ -48,6 +48,7 @@ class SampleBook:
         self.logprobs: dict[int, list] = {}     # seq id -> per token {id: log-probability}
         self._same = None  # the last step's (sequences, their sample keys, fixed settings), see rows
         self._sample_keys = None
+        self._sums = None  # the steady step's (sequences, their cumulative sums [B] float64), see record
 
     def add(self, request: Request) -> None:
         """Keeps a request's :class:`Draw` before it is scheduled: a bad value raises here (see
@@ -101,7 +102,17 @@ class SampleBook:
     def record(self, batch, tokens: np.ndarray, logprobs: np.ndarray, top, stale: np.ndarray | None = None) -> None:
         """After ``postprocess``: each sampled token's log-probability (and top-k) joins its
         sample's totals; a forked request's samples get their indices. ``stale [B]``: rows of
-        samples that had finished before the step (a step run ahead), whose tokens are dropped."""
+        samples that had finished before the step (a step run ahead), whose tokens are dropped.
+        A step of the same samples as the last one, one token each, none asking for per-token
+        log-probabilities (the usual decode step), adds to their sums in one array (the same sums,
+        in the same order: 64 rows took ~55 us of a step's host time one by one on a 2-core CPU)."""
+        sums = self._sums
+        if sums is not None and len(batch.seqs) == len(sums[0]) and all(map(is_, batch.seqs, sums[0])) \
+                and (batch.num_samples == 1).all() and (stale is None or not stale.any()):
+            np.add(sums[1], logprobs, out=sums[1])
+            return
+        self._settle()
+        steady = (batch.num_samples == 1).all() and (stale is None or not stale.any())
         k = 0
         for i in np.flatnonzero(batch.num_samples).tolist():
             s, c = batch.seqs[i], int(batch.num_samples[i])
@@ -115,14 +126,25 @@ class SampleBook:
                 self.cumulative[t.seq_id] = self.cumulative.get(t.seq_id, 0.0) + float(logprobs[k])
                 n_top = t.group.params.logprobs
                 if n_top is not None:
+                    steady = False
                     entry = {int(tokens[k]): float(logprobs[k])}
                     if n_top:
                         entry.update(zip(top[0][k, :n_top].tolist(), top[1][k, :n_top].tolist()))
                     self.logprobs.setdefault(t.seq_id, []).append(entry)
                 k += 1
+        if steady:  # (the next step of these samples adds to their sums at once)
+            self._sums = list(batch.seqs), np.array([self.cumulative[s.seq_id] for s in batch.seqs], np.float64)
+
+    def _settle(self) -> None:
+        """The array of sums (``record``) back into ``cumulative``."""
+        if self._sums is not None:
+            seqs, sums = self._sums
+            self._sums = None
+            self.cumulative.update(zip((s.seq_id for s in seqs), sums.tolist()))
 
     def output(self, group, request: Request, detokenize, eos_token_ids) -> RequestOutput:
         """A finished request's output (text ends before its first stop string); forgets it."""
+        self._settle()
         outs = []
         for j, s in enumerate(group.seqs):
             ids = s.output_token_ids
@@ -143,6 +165,7 @@ class SampleBook:
 
     def drop(self, group) -> None:
         """Forgets a finished or aborted request and its samples."""
+        self._settle()
         self.draws.pop(group.request_id, None)
         for s in group.seqs:
             for d in (self.cumulative, self.logprobs, self.index):

@@ -275,25 +275,21 @@ class Scheduler:
                 or batch.num_samples.max() != 1:
             return False
         live = going = 0
+        cap = self.max_model_len
         for g in self.running:
             for s in g.seqs:
                 if s.status is RUNNING:
                     live += 1
-                    going += not self._ends_by_length(s)
+                    going += not _ends_by_length(s, cap)
         return live == n and going > 0
-
-    def _ends_by_length(self, s: Sequence) -> bool:
-        """Whether sample ``s`` ends by length with the token in flight."""
-        n_next = len(s.token_ids) + 1
-        return n_next - s.num_prompt_tokens >= s.group.params.max_tokens or \
-            (self.max_model_len is not None and n_next >= self.max_model_len)
 
     def run_ahead(self, batch: ScheduledBatch) -> None:
         """Gives each sample of ``batch`` (``can_run_ahead``) that goes on its token in flight as
         ``PENDING``, so the next ``schedule`` decodes it; ``postprocess(batch, ...)`` writes the real
         ids. (A sample ending by length gets no place: the next step leaves it out.)"""
+        cap = self.max_model_len
         for s in batch.seqs:
-            if not self._ends_by_length(s):
+            if not _ends_by_length(s, cap):
                 s.token_ids.append(PENDING)
 
     # ---------------------------------------------------------------- after the model ran
@@ -363,3 +359,11 @@ class Scheduler:
             if not g.forked:
                 self._num_running_seqs -= g.params.n
             done.append(g)
+
+
+def _ends_by_length(s: Sequence, max_model_len: int | None) -> bool:
+    """Whether sample ``s`` ends by length with its token in flight (a function: called per sample and
+    step, twice, in the engine's loop)."""
+    n_next = len(s.token_ids) + 1
+    return n_next - s.num_prompt_tokens >= s.group.params.max_tokens or \
+        (max_model_len is not None and n_next >= max_model_len)

@@ -101,6 +101,23 @@ def test_kv_exhaustion_preempts_and_resumes_with_the_same_output(llm):
     assert small.sched.bm.num_free_blocks == small.cache.num_blocks  # everything freed
 
 
+def test_cumulative_logprob_is_the_tokens_sum_in_order(llm):
+    """A sample's cumulative log-probability - summed a step at a time in one array while a step's
+    samples are the last one's (``SampleBook.record``) - is its tokens' log-probabilities added one
+    by one in order, bit for bit: the per-token sums of the same draws (``logprobs=0``, which keeps
+    every step on the one-by-one path), across a fork and samples ending at different steps."""
+    def params(**kw):
+        return [SamplingParams(n=3, temperature=0.9, seed=5, max_tokens=m, ignore_eos=True, **kw) for m in (20, 11)]
+    plain = llm.generate(PROMPTS[:2], params(), use_tqdm=False)
+    each = llm.generate(PROMPTS[:2], params(logprobs=0), use_tqdm=False)
+    for o, e in zip(plain, each):
+        for c, d in zip(o.outputs, e.outputs):
+            total = 0.0
+            for t, entry in zip(d.token_ids, d.logprobs):
+                total += entry[t]
+            assert c.token_ids == d.token_ids and c.cumulative_logprob == d.cumulative_logprob == total
+
+
 def test_stop_strings_logprobs_and_lengths(llm):
     sp = SamplingParams(temperature=0, max_tokens=32, stop=["\n"], logprobs=3)
     o = llm.generate(PROMPTS[3], sp, use_tqdm=False)[0].outputs[0]
