@@ -438,3 +438,17 @@ def test_can_run_ahead_only_in_steady_decode():
     nxt = sched.schedule()
     assert [s.group.request_id for s in nxt.seqs] == ["d"]  # the next step leaves "c" out
     assert sched.postprocess(b, [4, 4])[0].request_id == "c"
+
+
+def test_share_groups_by_first_block():
+    """A step's rows grouped by their first block id (groups of two or more rows, each ascending, in
+    order of that id): against a plain dictionary grouping, for one prompt's samples (one group),
+    rows that share nothing, and mixes with singletons."""
+    rng = np.random.default_rng(0)
+    for firsts in ([7] * 5, [3, 1, 2], [4, 9, 4, 1, 9, 9, 2], list(rng.integers(0, 6, 40)), [5]):
+        bt = np.zeros((len(firsts), 3), np.int32)
+        bt[:, 0] = firsts
+        want = {}
+        for i, f in enumerate(firsts):
+            want.setdefault(f, []).append(i)
+        assert Scheduler._share_groups(bt) == [want[f] for f in sorted(want) if len(want[f]) >= 2], firsts
