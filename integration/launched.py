@@ -49,7 +49,7 @@ class Launched:
             copied = torch.cuda.Event()
             copied.record()
         else:
-            host = packed.clone()  # (a graph's packed draw is rewritten by its next run)
+            host = packed if sampled.packed is None else packed.clone()  # (a graph's is rewritten by its next run)
         return cls(batch, kind, sampled.tokens, host, top, copied, t0, t_issued, captured, events)
 
     def wait(self) -> tuple[np.ndarray, np.ndarray, tuple | None]:

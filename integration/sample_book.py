@@ -62,8 +62,7 @@ class SampleBook:
         (the usual decode step), reuses their settings arrays and noise-key parts: only the
         positions are read anew."""
         seqs, same = batch.seqs, self._same
-        if same is not None and len(seqs) == len(same[0]) and all(map(is_, seqs, same[0])) \
-                and (batch.num_samples == 1).all():
+        if same is not None and _same_samples(seqs, same[0]) and (batch.num_samples == 1).all():
             position = np.fromiter((len(s.token_ids) - s.num_prompt_tokens for s in seqs), np.int64, len(seqs))
             return SampleRows(**same[2], key=keys_at(same[1], position)), None
         rows, fork = self._rows(batch)
@@ -106,13 +105,12 @@ class SampleBook:
         A step of the same samples as the last one, one token each, none asking for per-token
         log-probabilities (the usual decode step), adds to their sums in one array (the same sums,
         in the same order: 64 rows took ~55 us of a step's host time one by one on a 2-core CPU)."""
+        steady = (batch.num_samples == 1).all() and (stale is None or not stale.any())
         sums = self._sums
-        if sums is not None and len(batch.seqs) == len(sums[0]) and all(map(is_, batch.seqs, sums[0])) \
-                and (batch.num_samples == 1).all() and (stale is None or not stale.any()):
+        if steady and sums is not None and _same_samples(batch.seqs, sums[0]):
             np.add(sums[1], logprobs, out=sums[1])
             return
         self._settle()
-        steady = (batch.num_samples == 1).all() and (stale is None or not stale.any())
         k = 0
         for i in np.flatnonzero(batch.num_samples).tolist():
             s, c = batch.seqs[i], int(batch.num_samples[i])
@@ -170,3 +168,8 @@ class SampleBook:
         for s in group.seqs:
             for d in (self.cumulative, self.logprobs, self.index):
                 d.pop(s.seq_id, None)
+
+
+def _same_samples(seqs, kept) -> bool:
+    """Whether a step's ``seqs`` are the sequences ``kept`` from the last one, in order."""
+    return len(seqs) == len(kept) and all(map(is_, seqs, kept))
