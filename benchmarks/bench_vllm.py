@@ -14,6 +14,10 @@ rows' request slots (Model Runner V2) it copies nothing back. Builds repeat the 
 cascade build carries the last one's forest, as a decode step after the first does
 (``build_cascade_new_us``: the forest found anew each time, as the first step of a batch).
 ``break-even`` = layers after which cascade's saving per layer pays its extra (carried) build time.
+``full_graph``: the builder as vLLM makes it with full decode graphs under Model Runner V2 (the rows'
+request slots): the batch's plan in the fixed arena every captured size shares, which one graph per
+batch size replays whatever the forest - a cascade where rows share blocks, tails only where none do
+(``ragged``) - against the flat plan in a graph (``attn_flat_graph_us``), the one such steps took before.
 """
 from __future__ import annotations
 
@@ -102,21 +106,51 @@ def run_case(name: str, device) -> dict:
             # in a CUDA graph: the GPU's time without the eager launches (a full decode graph
             # replays flat plans; a cascade plan replays too while the step's forest is unchanged)
             results[mode]["graph_us"] = C.graph_time_us([fwd])
+        results["full_graph"] = full_graph_case(cfg, spec, layer, q, kv, table, lens, device)
         # behind a busy GPU (~1 ms of queued work, as vLLM's async scheduling builds step N + 1 while step
         # N runs): the first-column path waits for it (its copy syncs), the request-slot path does not
         slot_step = vllm_step(table, lens, device, slots=True)
         busy = {"sync": busy_build_us(builder, cm), "slots": busy_build_us(builder, slot_step)}
-    f, c = results["flat"], results["cascade"]
+    f, c, g = results["flat"], results["cascade"], results["full_graph"]
     err = C.rel_err(c["out"], f["out"])
     saved = f["attn_us"] - c["attn_us"]
     row.update(build_flat_us=f["build_us"], build_cascade_us=c["build_us"], build_cascade_new_us=c["new_us"],
                build_busy_sync_us=busy["sync"], build_busy_slots_us=busy["slots"],
                attn_flat_us=f["attn_us"],
                attn_flat_graph_us=f["graph_us"], attn_cascade_us=c["attn_us"], attn_cascade_graph_us=c["graph_us"],
-               cascade_chosen=c["cascade"],
+               cascade_chosen=c["cascade"], build_full_graph_us=g["build_us"], attn_full_graph_us=g["graph_us"],
+               full_graph_nodes=g["nodes"], full_graph_vs_flat_rel_err=C.rel_err(g["out"], f["out"]),
                cascade_vs_flat_rel_err=err,
                break_even_layers=(c["build_us"] - f["build_us"]) / saved if c["cascade"] and saved > 0 else None)
     return row
+
+
+def full_graph_case(cfg, spec, layer, q, kv, table, lens, device) -> dict:
+    """The step as a full decode graph of its batch size runs it under Model Runner V2 (the module doc):
+    a graph captured with the size's first plan (its host tables empty yet: tails only) replays the
+    step's later plans (the forest found from the tables the first build sent, then carried) ->
+    {build_us (carried), graph_us, nodes, out}."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from paged_backend.integration.vllm.backend import PagedAttentionBackend
+    os.environ["PAGED_BACKEND_CASCADE"], os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1", "1"
+    comp = cfg.compilation_config
+    comp.cudagraph_mode, comp.max_cudagraph_capture_size = CUDAGraphMode.FULL_DECODE_ONLY, max(512, len(lens))
+    builder = PagedAttentionBackend.get_builder_cls()(spec, ["l0"], cfg, torch.device(device))
+    cm = vllm_step(table, lens, device, slots=True)
+    out = torch.empty_like(q)
+    md = builder.build(0, cm)  # (the first: tails only)
+    fwd = lambda: layer.impl.forward(layer, q, None, None, kv, md, out)  # noqa: E731
+    fwd()
+    graph, calls = torch.cuda.CUDAGraph(), 10  # (calls a replay: as C.graph_time_us times the other modes)
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fwd()
+    build_us = C.host_time_us(lambda: builder.build(0, cm), calls=50)  # (the plans after: in the same arena)
+    plan = builder.build(0, cm).plans[None]
+    graph.replay()
+    return dict(build_us=build_us, graph_us=C.time_us(graph.replay, device) / calls, nodes=plan.num_nodes,
+                out=out.clone())
 
 
 def busy_build_us(builder, cm, calls: int = 20, busy_ms: float = 1.0) -> float:
@@ -164,13 +198,16 @@ def main():
     keys = ["case", "batch", "build_flat_us", "build_cascade_us", "build_cascade_new_us", "build_busy_sync_us",
             "build_busy_slots_us", "attn_flat_us",
             "attn_flat_graph_us", "attn_cascade_us", "attn_cascade_graph_us", "cascade_chosen", "break_even_layers",
-            "cascade_vs_flat_rel_err"]
-    table = C.md_table(keys, [[fmt(r.get(k)) if k != "cascade_vs_flat_rel_err" or "error" in r
+            "cascade_vs_flat_rel_err", "build_full_graph_us", "attn_full_graph_us", "full_graph_nodes",
+            "full_graph_vs_flat_rel_err"]
+    table = C.md_table(keys, [[fmt(r.get(k)) if not k.endswith("rel_err") or "error" in r
                                else f"{r[k]:.1e}" for k in keys] for r in rows])
     text = (f"## vLLM plug-in: per-step build and attention ({C.gpu_name()}, {C.now()}, vLLM {vllm.__version__})\n\n"
             f"bf16, Hq {HQ}, Hkv {HKV}, D {D}, page {BS}; times in us; build = host time with the GPU idle; "
             "build_busy = a cascade build with ~1 ms of work queued on the GPU, by the first-column path (its "
-            "copy syncs) and by the rows' request slots (Model Runner V2's metadata: no sync).\n\n"
+            "copy syncs) and by the rows' request slots (Model Runner V2's metadata: no sync); full_graph = the "
+            "step in a full decode graph under Model Runner V2 (fixed arena: cascade or tails only, "
+            "full_graph_nodes nodes).\n\n"
             + table + "\n")
     C.write_md_section(args.md, BENCH, text)
     print(text)

@@ -121,7 +121,9 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
     sl = v["seq_lens"]
     po, plse = plan.partial_o, plan.partial_lse
     pdl = use_pdl(q.device)
-    both = plan.num_node_pieces and plan.num_leaf_pieces
+    # which launches run: those with pieces, or all of them (a fixed arena's plans launch alike)
+    run_nodes, run_tails = plan.launch_all or plan.num_node_pieces > 0, plan.launch_all or plan.num_leaf_pieces > 0
+    both = run_nodes and run_tails
     # (a plan with "fused_items" is for Hopper, where the node kernel may run the tails as well)
     one_stream = pdl or not (q.is_cuda and both) or "fused_items" in v
     # As in decode_triton: after the first call with this signature (the first layer of a step),
@@ -137,14 +139,14 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
         if stream is not None:
             # the plan's launches in order, each with the call's leading arguments (no tails
             # launch where the Hopper node kernel ran them)
-            leads = [ptrs[:3]] if plan.num_node_pieces else []
+            leads = [ptrs[:3]] if run_nodes else []
             if len(relaunches) - len(leads) == 2:
                 leads.append(ptrs)
             for relaunch, lead in zip(relaunches, leads + [ptrs[5:]]):
                 relaunch(stream, *lead)
             return
 
-    sm90 = node_sm90_config(q, k_cache, v_cache, plan, softcap, scales) if plan.num_node_pieces else None
+    sm90 = node_sm90_config(q, k_cache, v_cache, plan, softcap, scales) if run_nodes else None
     fused = sm90 is not None and "fused_items" in v  # the Hopper node kernel runs the tails too
 
     def nodes():
@@ -174,9 +176,9 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
         # With PDL the tails start during the node kernel (they write other slots) and end after
         # it, and the merge starts during the tails: one stream, no launch gaps.
         relaunches = []
-        if plan.num_node_pieces:
+        if run_nodes:
             relaunches.append(nodes())
-        if plan.num_leaf_pieces and not fused:
+        if run_tails and not fused:
             relaunches.append(tails(beside_prior=bool(both)))
     else:
         # Node GEMMs and tail decode write disjoint slots and neither fills the memory system

@@ -208,3 +208,80 @@ def test_a_forest_that_loses_requests_keeps_its_launches():
     check_exact(q, k, v, bt, lens_t, longer, torch.float32)
     if use_triton(q):
         check_exact(q, k, v, bt, lens_t, before, torch.float32)
+
+
+def _fixed_arena_steps(bs: int, n: int, width: int):
+    """Steps of ``n`` rows, each a table [n, width] and lens [n], whose forests differ in every way a
+    fixed arena must absorb: nothing shared; one prompt shared by all; two prompts; nodes nested three
+    deep (more memberships than a fixed arena has room for: planned as tails only); padding rows of
+    length 0 after one prompt's samples. -> [(name, table, lens)], blocks used."""
+    rng = np.random.default_rng(7)
+    nxt = iter(range(1, 10_000))
+    lens = rng.integers(3 * bs + 1, 6 * bs, size=n)
+
+    def private(table, row, start, end):
+        for c in range(start, end):
+            table[row, c] = next(nxt)
+
+    def with_prefix(groups, depth_blocks):
+        table = np.zeros((n, width), np.int32)
+        for members, (lo, hi) in zip(groups, depth_blocks):
+            ids = [next(nxt) for _ in range(lo, hi)]
+            table[np.ix_(members, np.arange(lo, hi))] = ids
+        for i in range(n):
+            private(table, i, int(max((hi for g, (_, hi) in zip(groups, depth_blocks) if i in g), default=0)),
+                    -(-int(lens[i]) // bs))
+        return table
+
+    half = [list(range(n // 2)), list(range(n // 2, n))]
+    quarters = [list(range(i, i + n // 4)) for i in range(0, n, n // 4)]
+    steps = [("distinct", with_prefix([], []), lens),
+             ("one prompt", with_prefix([list(range(n))], [(0, 3)]), lens),
+             ("two prompts", with_prefix(half, [(0, 2), (0, 3)]), lens),
+             ("nested", with_prefix([list(range(n))] + half + quarters,
+                                    [(0, 1)] + [(1, 2)] * 2 + [(2, 3)] * 4), lens)]
+    pad = with_prefix([list(range(n // 2))], [(0, 3)])
+    pad_lens = np.where(np.arange(n) < n // 2, lens, 0)
+    pad[n // 2:] = 0
+    steps.append(("padding rows", pad, pad_lens))
+    return steps, next(nxt)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("bs,hq,hkv", [(4, 8, 2), (16, 4, 1)])
+def test_a_fixed_arena_launches_alike_per_batch_size(bs, hq, hkv):
+    """A fixed arena (``CascadeArena.for_graphs``: vLLM's full decode graphs, one per batch size): the
+    plans of one batch size have one launch key whatever their forest - nothing shared (tails only, not
+    a flat decode), one or two prompts, a forest too big for the arena's room (tails only), padding rows
+    of length 0 - and the first plan's launches (as the CUDA graph captured with it replays) give each
+    later step's exact attention. Another batch size has a key of its own in the same arena; a batch
+    past the arena's rows is refused."""
+    d, n, width = 64, 8, 8
+    steps, nb = _fixed_arena_steps(bs, n, width)
+    k, v = torch.randn(nb, bs, hkv, d), torch.randn(nb, bs, hkv, d)
+    arena = CascadeArena.for_graphs(n, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, device="cpu")
+    assert arena.fixed
+    table_dev = torch.zeros(n, width, dtype=torch.int32)
+    kw = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device="cpu", cost=KEEP_ALL,
+              block_table_device=table_dev, arena=arena)
+    first, nodes = None, {}
+    for name, table, lens in steps:
+        table_dev.copy_(torch.from_numpy(table))
+        plan = pb.plan_cascade(table, lens, **kw)
+        nodes[name] = plan.num_nodes
+        assert plan.arena is arena and not plan.is_flat and plan.launch_all, name
+        # (an empty view's address is 0: a launch kept with it - a graph's - would read there)
+        assert all(t.data_ptr() for t in plan.views.values()), name
+        first = first or plan
+        assert plan.launch_key() == first.launch_key(), name
+        q, bt, lens_t = torch.randn(n, hq, d), torch.from_numpy(table), torch.from_numpy(lens).int()
+        out, _ = check_exact(q, k, v, bt, lens_t, plan, torch.float32)
+        assert not out[lens_t == 0].any()
+        if use_triton(q):  # (the torch path reads the plan's host arrays, not its buffers)
+            check_exact(q, k, v, bt, lens_t, first, torch.float32)
+    assert nodes == {"distinct": 0, "one prompt": 1, "two prompts": 2, "nested": 0, "padding rows": 1}
+    small = pb.plan_cascade(steps[1][1][:3], steps[1][2][:3], **dict(kw, block_table_device=table_dev[:3]))
+    assert small.arena is arena and small.launch_key() != first.launch_key() and small.launch_key()[0] == 3
+    big = np.zeros((n + 1, width), np.int32)
+    with pytest.raises(ValueError, match="does not fit the fixed arena"):
+        pb.plan_cascade(big, np.full(n + 1, 1), **dict(kw, block_table_device=torch.from_numpy(big)))

@@ -551,6 +551,134 @@ def test_full_decode_graphs_take_flat_plans(vllm_config, monkeypatch):
     check(mixed, layers[0], out)
 
 
+GRAPH_ROWS = 24  # the padded batch size of the graph-cascade tests (vLLM pads decode batches to its sizes)
+
+
+def graph_slot_steps():
+    """``slot_steps()`` as vLLM runs them with full decode graphs of 24 rows: each decode-only step
+    padded with requests of length 0 (no slot, no token) -> [(Batch kwargs, graphable)]."""
+    out = []
+    for t, (seq_lens, query_lens, slots, table, prefilling) in enumerate(slot_steps()):
+        graphable = max(query_lens) == 1
+        pad = GRAPH_ROWS - len(seq_lens) if graphable else 0
+        share = [[i for i, s in enumerate(slots) if (s < 16 and s != 9) or (s == 9 and t < 3)]]
+        out.append((dict(seq_lens=list(seq_lens) + [0] * pad, query_lens=list(query_lens) + [0] * pad,
+                         table=np.pad(table, ((0, pad), (0, 0))), req_idx=slots, is_prefilling=prefilling,
+                         share=share, shared_blocks=64, seed=t, pad_tokens=pad, pad_attn=True), graphable))
+    return out
+
+
+def graph_builder(vllm_config, monkeypatch, layers, device, dtype):
+    """A builder as vLLM makes it with full decode graphs of up to 32 rows under Model Runner V2."""
+    monkeypatch.setenv("PAGED_BACKEND_CASCADE", "1")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    comp = vllm_config.compilation_config
+    comp.cudagraph_mode, comp.max_cudagraph_capture_size = CUDAGraphMode.FULL_DECODE_ONLY, 32
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=HKV, head_size=128, dtype=dtype)
+    builder = PagedAttentionBackend.get_builder_cls()(spec, [layer.layer_name for layer in layers], vllm_config,
+                                                       torch.device(device))
+    assert builder.graph_cascade
+    return builder
+
+
+def capture_batch(device, dtype=torch.float32) -> Batch:
+    """What vLLM's capture runs for a graph of ``GRAPH_ROWS`` rows: one token a row, no request slots."""
+    return Batch([1] * GRAPH_ROWS, [1] * GRAPH_ROWS, 16, 128, dtype=dtype, device=device, seed=9)
+
+
+@pytest.mark.kernel
+def test_full_decode_graphs_cascade_in_a_fixed_arena(vllm_config, monkeypatch):
+    """With full decode graphs under Model Runner V2, decode-only batches of a captured size are planned
+    into the builder's fixed arena: the capture's batch (no slots) as tails only, then Model Runner V2's
+    steps (request slots, padding rows of length 0) with the prompt's 64 blocks as a node once the host
+    tables hold them - all with the capture's launch key, so its graph replays them (the GPU test
+    replays them). The mixed step between runs eagerly. Every step matches the reference; padding rows
+    give zeros."""
+    layers = make_layers(vllm_config, 128)
+    builder = graph_builder(vllm_config, monkeypatch, layers, "cpu", torch.float32)
+    md, _, (out,) = run_step(vllm_config, layers, capture_batch("cpu"), builder)
+    captured = md.plans[None]
+    assert isinstance(captured, pb.CascadePlan) and captured.launch_all and captured.num_nodes == 0
+    for t, (kw, graphable) in enumerate(graph_slot_steps()):
+        batch = Batch(block_size=16, head_size=128, **kw)
+        md, _, (out,) = run_step(vllm_config, layers, batch, builder)
+        plan = md.plans[None]
+        assert isinstance(plan, pb.CascadePlan) and plan.launch_all == graphable, t
+        if graphable:
+            assert plan.launch_key() == captured.launch_key() and plan.arena is captured.arena, t
+            assert plan.num_nodes == (0 if t == 0 else 1), t  # (step 0: the host tables hold nothing yet)
+            assert not out[len(kw["req_idx"]):].any()
+        check(batch, layers[0], out)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # Model Runner V1 names no slots: flat plans
+    v1 = make_builder(vllm_config, layers, capture_batch("cpu"))
+    assert not v1.graph_cascade
+    md, _, _ = run_step(vllm_config, layers, capture_batch("cpu"), v1)
+    assert isinstance(md.plans[None], pb.DecodePlan)
+
+
+@pytest.mark.gpu
+def test_full_decode_graph_replays_cascade_steps(vllm_config, monkeypatch):
+    """The fixed arena as vLLM uses it: one CUDA graph of 24 rows captured with the capture batch (tails
+    only) replays Model Runner V2's decode steps - nothing shared yet, then the prompt as a node, with a
+    reorder, finished requests and new ones - after each step's inputs are copied into the graph's
+    buffers and ``build`` planned it (the mixed step between runs eagerly, as vLLM runs it)."""
+    dt, dev = torch.bfloat16, "cuda"
+    layers = make_layers(vllm_config, 128, num_layers=2)
+    builder = graph_builder(vllm_config, monkeypatch, layers, dev, dt)
+    steps = [(Batch(block_size=16, head_size=128, dtype=dt, device=dev, **kw), g) for kw, g in graph_slot_steps()]
+    cap = capture_batch(dev, dt)
+    # the runner's fixed buffers, as wide and long as any step needs
+    nb = max(b.kv_cache.shape[0] for b, _ in steps)
+    width = max(b.block_table.shape[1] for b, _ in steps)
+    kv = torch.zeros((nb, *cap.kv_cache.shape[1:]), dtype=dt, device=dev)
+    table = torch.zeros(GRAPH_ROWS, width, dtype=torch.int32, device=dev)
+    seq_lens = torch.ones(GRAPH_ROWS, dtype=torch.int32, device=dev)
+    query, key, value, slot_mapping = cap.query.clone(), cap.key.clone(), cap.value.clone(), cap.slot_mapping.clone()
+    names = [layer.layer_name for layer in layers]
+    for layer in layers:
+        layer.kv_cache, layer.use_direct_call = kv, True
+
+    def forward(md):
+        with set_forward_context({n: md for n in names}, vllm_config, slot_mapping={n: slot_mapping for n in names}):
+            for layer in layers:
+                out = layer(query.reshape(GRAPH_ROWS, -1), key.reshape(GRAPH_ROWS, -1), value.reshape(GRAPH_ROWS, -1))
+        return out.view(GRAPH_ROWS, HQ, 128)
+
+    def common(batch):
+        return batch.common_metadata().replace(seq_lens=seq_lens, block_table_tensor=table, slot_mapping=slot_mapping)
+
+    md = builder.build(0, common(cap))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward(md)  # warm-up (kernel compilation) off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward(md)
+    nodes = []
+    for batch, graphable in steps:
+        kv[:batch.kv_cache.shape[0]] = batch.kv_cache
+        table.zero_()
+        table[:batch.block_table.shape[0], :batch.block_table.shape[1]] = batch.block_table
+        if not graphable:  # (vLLM runs a mixed batch eagerly, on its own metadata)
+            batch.kv_cache = kv[:batch.kv_cache.shape[0]]
+            md, _, (eager,) = run_step(vllm_config, layers, batch, builder)
+            check(batch, layers[-1], eager, dt)
+            continue
+        seq_lens.copy_(torch.tensor(batch.seq_lens, dtype=torch.int32))
+        for name, buf in (("query", query), ("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+            buf.copy_(getattr(batch, name))
+        md = builder.build(0, common(batch))
+        nodes.append(md.plans[None].num_nodes)
+        graph.replay()
+        torch.cuda.synchronize()
+        batch.kv_cache = kv[:batch.kv_cache.shape[0]]  # (the buffers the replay wrote)
+        check(batch, layers[-1], out, dt)
+        assert not out[len(batch.req_idx):].any()
+    assert nodes == [0, 1, 1, 1]
+
+
 @pytest.mark.gpu
 def test_decode_step_replays_in_cuda_graph(vllm_config):
     """The declared UNIFORM_SINGLE_TOKEN_DECODE support, as vLLM uses it: a decode step captured in

@@ -11,9 +11,13 @@ A decode plan is refilled in place (``plan.update``) while the batch size stays;
 batches a full CUDA graph may replay are kept per batch size (vLLM pads those to its captured
 sizes), so their buffers stay where the graph reads them (``UNIFORM_SINGLE_TOKEN_DECODE``). Eager
 steps keep one plan: their batch sizes change step by step, and a plan per size would hold a
-workspace per size. A cascade
-plan cannot (its buffers follow its forest): where vLLM may replay a full decode graph (full decode
-graphs on and the batch within the captured sizes), decode-only batches take the flat plan.
+workspace per size. Decode-only batches a full CUDA graph may replay (full decode graphs on, the
+batch within the captured sizes) are planned into a fixed cascade arena (``CascadeArena.for_graphs``,
+one per window for every size): every plan of a batch size launches the same kernels with the same
+arguments whatever its forest, so vLLM's one graph per size replays cascade steps, and steps that
+share nothing (and vLLM's capture runs) as tails only on the same kernels. That needs the rows'
+request slots (Model Runner V2; its padding rows, last, have none and get length 0); with Model
+Runner V1, or ``PAGED_BACKEND_GRAPH_CASCADE=0``, such batches take the flat decode plan of their size.
 A cascade plan needs the block table on the host, which vLLM's metadata does not carry. Where the
 metadata names each row's request slot (``req_idx``: Model Runner V2, vLLM 0.33's default on GPUs) and
 which rows are still prefilling (``is_prefilling`` on the host) the plan takes the rows as the last
@@ -44,7 +48,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuild
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 import paged_backend as pb
-from paged_backend.cascade import CascadeCost
+from paged_backend.cascade import CascadeArena, CascadeCost
 from paged_backend.cascade.planner import CascadePlanner
 from paged_backend.kernels.checks import debug_enabled
 
@@ -102,6 +106,10 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         # decode-only batches of up to this many rows may replay a full graph: flat plans only
         self.graph_rows = (comp.max_cudagraph_capture_size or 0) if full_decode else 0
         self._graph_plans: dict[tuple, pb.DecodePlan] = {}  # per (captured batch size, window)
+        # cascade inside full decode graphs: Model Runner V2 names the rows' request slots (see the module doc)
+        self.graph_cascade = (self.cascade and self.graph_rows > 0 and vllm_config.use_v2_model_runner
+                              and os.environ.get("PAGED_BACKEND_GRAPH_CASCADE", "1") != "0")
+        self._graph_arenas: dict = {}  # per window: the fixed CascadeArena of every captured size
         self._eager_plans: dict = {}  # per window
         self.planner = CascadePlanner(self.windows, **self.shape)
         # the rows of the steps before, by request slot (req_idx); not with vLLM's micro-batches, whose
@@ -127,12 +135,21 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
             pqsl_host = cm.query_start_loc_cpu[nd:b + 1].numpy() - ndt
         block_table = cm.block_table_tensor[:b]
         slots = self._slots(cm.req_idx, b, block_table)
-        fresh = None  # [nd] decode rows still prefilling (a cached prompt's last token): their first step
+        graphable = npf == 0 and nd <= self.graph_rows
+        # the decode rows with a request slot: all of them, or in a full graph's padded batch those
+        # before its padding rows
+        real = nd if slots is None or not graphable else min(slots.size, nd)
+        fresh = None  # [real] decode rows still prefilling (a cached prompt's last token): their first step
         pre = cm.is_prefilling
-        if slots is not None and slots.size >= nd and pre is not None and not pre.is_cuda and pre.numel() >= nd:
-            fresh = pre[:nd].numpy().astype(bool)
-        plans = self._plans(block_table[:nd], lens[:nd], graphable=npf == 0 and nd <= self.graph_rows,
-                            slots=None if fresh is None else slots[:nd], fresh=fresh) if nd else {}
+        if slots is not None and slots.size >= real and pre is not None and not pre.is_cuda and pre.numel() >= real:
+            fresh = pre[:real].numpy().astype(bool)
+        row_slots = None if fresh is None else slots[:real]
+        if not nd:
+            plans = {}
+        elif graphable and self.graph_cascade:
+            plans = self._graph_cascade_plans(block_table[:nd], lens[:nd], row_slots, fresh)
+        else:
+            plans = self._plans(block_table[:nd], lens[:nd], graphable=graphable, slots=row_slots, fresh=fresh)
         if slots is not None:  # (after the plan: it takes the steps before this one's)
             n = slots.size
             self.host_tables.send(block_table[:n], slots, -(-lens[:n] // self.shape["block_size"]))
@@ -190,6 +207,45 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
             else:
                 self._eager_plans[w] = plan
         return plans
+
+
+    def _graph_cascade_plans(self, block_table: torch.Tensor, lens: np.ndarray, slots, fresh) -> dict:
+        """Per window: a plan of the batch in the window's fixed arena (a step a full CUDA graph may
+        replay, see the module doc). ``slots [R]``: the request slots of the first ``R`` rows, the rest
+        vLLM's padding rows (length 0); ``fresh [R]``: as in :meth:`_plans`; None for both where the
+        metadata names no slots (vLLM's capture runs): every row as its host length says, tails only."""
+        self.plans_made += 1
+        nd, bs = lens.size, self.shape["block_size"]
+        if slots is None:  # (a length past the table would read past it: clamped)
+            lens = np.minimum(lens, block_table.shape[1] * bs)
+        else:
+            lens = np.where(np.arange(nd) < slots.size, lens, 0)
+        arenas = {w: self._graph_arena(w) for w in self.windows}
+        kw = dict(self.shape, cost=self.cascade_cost, block_table_device=block_table)
+        if slots is not None and slots.size >= 2:
+            table, blocks = self.host_tables.take(slots, -(-int(lens.max()) // bs))
+            blocks[fresh] = 0  # (its slot's row may be the last request's)
+            if debug_enabled():
+                _check_held(table, blocks, block_table[:slots.size], slots)
+            if not _distinct(table[blocks > 0, 0]):
+                pad = nd - slots.size  # padding rows: no blocks, ids of their own
+                table = np.pad(table, ((0, pad), (0, 0)))
+                held = np.pad(blocks, (0, pad)) * bs
+                ids = np.concatenate([slots, -1 - np.arange(pad)])
+                return self.planner.plans(table, lens, ids, block_table, self.cascade_cost, arenas=arenas, checked=True,
+                                          host_lens=held)
+        self.planner.reset()
+        no_table = np.broadcast_to(np.zeros(1, np.int32), (nd, max(1, -(-int(lens.max(initial=0)) // bs))))
+        return {w: pb.plan_cascade(no_table, lens, groups=[], window=w, arena=arenas[w], **kw) for w in self.windows}
+
+    def _graph_arena(self, window) -> CascadeArena:
+        arena = self._graph_arenas.get(window)
+        if arena is None:
+            sh = self.shape
+            arena = self._graph_arenas[window] = CascadeArena.for_graphs(
+                self.graph_rows, num_q_heads=sh["num_q_heads"], num_kv_heads=sh["num_kv_heads"],
+                head_dim=sh["head_dim"], device=sh["device"])
+        return arena
 
 
 def _distinct(first_blocks: np.ndarray) -> bool:

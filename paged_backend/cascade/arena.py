@@ -12,6 +12,15 @@ The block table is not a part: the caller passes it on the device at a fixed add
 A plan that does not fit (more pieces or slots than the arena has room for) is uploaded into fresh
 buffers as usual and its ``arena`` is None; :meth:`CascadeArena.grown_for` makes an arena with room
 for it (graphs of the old one must then be captured anew).
+
+A *fixed* arena (:meth:`CascadeArena.for_graphs`) goes further, for runners that keep one CUDA graph
+per batch size whatever the step (vLLM's full decode graphs): every plan made in it launches the
+same kernels for a batch size - the node, tail and merge launches always (on empty lists where a
+step has no node or no tail), a node tile fixed per batch size, no Hopper fused lists, a fixed fold
+tile - and a step with no node that pays, or one too big for the arena, is planned as tails only
+(every request's keys as decode pieces) instead of as a flat decode. Its room is sized up front for
+the largest batch: the parts of one batch size's plan sit at the same offsets as another's, so one
+arena serves every size (graphs replay one at a time on a stream).
 """
 from __future__ import annotations
 
@@ -20,15 +29,22 @@ import torch
 # room made for each part (and the partial states): this many times a plan's need, plus a little
 HEADROOM = 2
 ALIGN = 4  # int32 entries: each part starts 16-byte aligned (as Triton specializes pointers)
+# a fixed arena's room for node memberships a row (for_graphs), and its fold tile's list length
+# (lists are a tail's pieces after a node's each: 2-4 slots in the forests it has room for)
+MEMBERSHIPS_PER_ROW = 2
+FIXED_FOLD_LEN = 4
 
 
 class CascadeArena:
     """One int32 device buffer cut into named parts of fixed capacity, and fp32 partial states.
 
-    ``capacity``: {part: int32 entries}; ``slots``: partial states ``[slots, group, head_dim]``."""
+    ``capacity``: {part: int32 entries}; ``slots``: partial states ``[slots, group, head_dim]``.
+    ``fixed``: plans launch alike per batch size (see the module doc; made by :meth:`for_graphs`)."""
 
-    def __init__(self, capacity: dict[str, int], slots: int, group: int, head_dim: int, device: torch.device):
+    def __init__(self, capacity: dict[str, int], slots: int, group: int, head_dim: int, device: torch.device,
+                 fixed: bool = False):
         self.capacity, self.slots, self.device = dict(capacity), int(slots), torch.device(device)
+        self.fixed = fixed
         self.offsets, at = {}, 0
         for name, n in self.capacity.items():
             self.offsets[name] = at
@@ -40,7 +56,21 @@ class CascadeArena:
         self._views: tuple = ((), {})  # the last send's (sizes, views): steady steps keep their sizes
         # the longest merge list of the first plan made in it: every plan's fold loads that many states
         # at once (longer lists take more rounds), so a forest whose lists change keeps its launches
-        self.fold_len = 0
+        self.fold_len = FIXED_FOLD_LEN if fixed else 0
+
+    @classmethod
+    def for_graphs(cls, max_batch: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int, device,
+                   node_programs: int | None = None, leaf_programs: int | None = None) -> CascadeArena:
+        """A fixed arena with room for the plans of up to ``max_batch`` rows (the module doc):
+        tails-only plans always fit, and cascade plans of up to ``MEMBERSHIPS_PER_ROW`` node
+        memberships a row (a forest two levels deep: a prompt, then groups of its samples) do; a
+        plan with more is planned as tails only. ``node_programs``/``leaf_programs``: as
+        ``plan_cascade``'s (the plans made in it must give the same)."""
+        from paged_backend.cascade.partition import graph_capacity
+        device = torch.device(device)
+        cap, slots = graph_capacity(max_batch, num_q_heads, num_kv_heads, head_dim, device, node_programs,
+                                    leaf_programs, MEMBERSHIPS_PER_ROW)
+        return cls(cap, slots, num_q_heads // num_kv_heads, head_dim, device, fixed=True)
 
     @classmethod
     def grown_for(cls, plan, old: CascadeArena | None = None) -> CascadeArena:
@@ -66,6 +96,10 @@ class CascadeArena:
         src = torch.zeros(self.size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         host = src.numpy()
         return src, {name: host[self.offsets[name]:self.offsets[name] + n] for name, n in sizes.items()}
+
+    def part(self, name: str, n: int) -> torch.Tensor:
+        """The device view of part ``name``'s first ``n`` entries."""
+        return self.buffer[self.offsets[name]:self.offsets[name] + n]
 
     def send(self, src: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
         """Copies a filled :meth:`stage` buffer to the arena (one copy) -> {name: device view of its

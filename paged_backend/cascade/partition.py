@@ -19,6 +19,7 @@ import torch
 
 from paged_backend.cascade.fused import FUSED_BLOCK_M, fused_order, fuses, lockstep, lockstep_pieces
 from paged_backend.kernels.dispatch import num_sms
+from paged_backend.kernels.launch import pow2
 from paged_backend.decode_plan import cut_pieces
 
 NODE_FIELDS = 7  # (rep request, kv_head, member base, members in block, token_start, token_end, slot base)
@@ -48,6 +49,40 @@ def choose_block_m(rows: np.ndarray, tokens: np.ndarray, gp: int, head_dim: int,
     return best
 
 
+def graph_block_m(batch: int, group: int, head_dim: int) -> int:
+    """The node tile of every plan of ``batch`` rows in a fixed arena (``CascadeArena.for_graphs``): the
+    one a node of all the rows would take (one prompt's samples, the forest such runners see most)."""
+    gp = pow2(group)
+    return choose_block_m(np.array([batch * gp]), np.ones(1, np.int64), gp, head_dim)
+
+
+def graph_capacity(max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, device, node_programs,
+                   leaf_programs, memberships_per_row: int) -> tuple[dict[str, int], int]:
+    """(capacity {part: int32 entries}, partial-state slots) for the plans of up to ``max_batch`` rows in
+    a fixed arena: the worst over the batch sizes of a tails-only plan and of a forest of up to
+    ``memberships_per_row`` node memberships a row. Stream-K cuts each program run's end into at most
+    one segment, so pieces <= segments + programs; each node segment (node, KV head, row block) holds
+    at most a row block's members, and has at most one more row block than its members fill."""
+    sms, group, hkv = num_sms(device), num_q_heads // num_kv_heads, num_kv_heads
+    gl = leaf_programs or sms * LEAF_PROGRAMS_PER_SM
+    cap = dict.fromkeys(("node_work", "node_prog_ptr", "leaf_work", "leaf_prog_ptr", "req_ptr", "slots",
+                         "members", "seq_lens"), 0)
+    slots = 0
+    for b in range(1, max_batch + 1):
+        bm = graph_block_m(b, group, head_dim)
+        mpb, gn = max(1, bm // pow2(group)), _node_grid(node_programs, sms, bm)
+        members = memberships_per_row * b
+        node_pieces = hkv * (members // mpb + b) + gn  # (a forest of b rows has < b nodes)
+        node_slots = hkv * members + gn * mpb
+        leaf_pieces = b * hkv + gl
+        need = dict(node_work=node_pieces * NODE_FIELDS, node_prog_ptr=gn + 1, leaf_work=leaf_pieces * LEAF_FIELDS,
+                    leaf_prog_ptr=gl + 1, req_ptr=b * hkv + 1, slots=node_slots + leaf_pieces, members=members,
+                    seq_lens=b)
+        cap = {name: max(n, need[name]) for name, n in cap.items()}
+        slots = max(slots, node_slots + leaf_pieces)
+    return cap, slots
+
+
 def partition(plan, group: int, node_programs, leaf_programs, block_table_device, cost, forest=None) -> None:
     """Fills ``plan`` (a CascadePlan with its forest) with the partition and its device views.
     ``cost``: the plan's CascadeCost (its ``wide_tile_flops`` and ``kv_elem_bytes``). ``forest``: the
@@ -63,6 +98,10 @@ def partition(plan, group: int, node_programs, leaf_programs, block_table_device
     if plan.arena is not None:  # an arena's plans fold alike (the launch key): as its first plan's lists
         plan.max_merge_len = plan.arena.fold_len = plan.arena.fold_len or plan.max_merge_len
     upload(plan, src, h, block_table_device)
+    if plan.launch_all:  # an empty part's view has no address (torch gives 0) that a launch on it may keep
+        for name, width in (("node_work", NODE_FIELDS), ("leaf_work", LEAF_FIELDS), ("members", 1), ("slots", 1)):
+            if not plan.views[name].numel():
+                plan.views[name] = plan.arena.part(name, width)  # (a row of its room, never read)
     plan.views["node_work"] = plan.views["node_work"].view(-1, NODE_FIELDS)
     plan.views["leaf_work"] = plan.views["leaf_work"].view(-1, LEAF_FIELDS)
     if plan.arena is not None:  # (its partial states: at fixed addresses too)
@@ -140,7 +179,8 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     # Hopper runs 128-row tiles with the tails in one launch (fused lists: the tails cut over the node
     # programs, which take them whole: fewer, longer pieces; no piece may start inside a page box)
     g128 = _node_grid(node_programs, sms, FUSED_BLOCK_M)
-    fusable = bool(live.size) and fuses(plan, cost.kv_elem_bytes)
+    fixed = plan.launch_all  # (a fixed arena's plan: its tile is the batch size's, no fused lists)
+    fusable = bool(live.size) and not fixed and fuses(plan, cost.kv_elem_bytes)
     if fusable:
         tail_cut = cut_pieces(-(-(lens[live] - shared[live]) // bn), g128, hkv)
         fusable = not (tail_cut[4] * bn % min(plan.block_size, 64)).any()
@@ -150,6 +190,8 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     k = lockstep(units, hkv * -(-sizes * gp // FUSED_BLOCK_M), g128) if fusable else 0
     if k:
         bm = FUSED_BLOCK_M
+    elif fixed:
+        bm = graph_block_m(bsz, group, d)
     else:
         flops = float((sizes * (end - start)).sum()) * group * 4 * d * hkv  # the node GEMMs, unpadded
         bm = choose_block_m(sizes * gp, end - start, gp, d, wide=flops >= cost.wide_tile_flops * (node_programs or sms))
@@ -167,6 +209,9 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     n_in = np.minimum(ptr[node + 1] - mbase, mpb)  # [S] and its members
     if k:
         seg, seg_ptr, nprog, cut_at, cut_off = lockstep_pieces(int(units[0]), int(per_node.sum()), k, gn)
+    elif not units.size:  # no node (a fixed arena's tails-only plan)
+        seg = cut_at = cut_off = np.zeros(0, np.int64)
+        seg_ptr, nprog = np.zeros(1, np.int64), np.zeros(gn + 1, np.int64)
     else:
         seg, seg_ptr, nprog, cut_at, cut_off = cut_pieces(units, gn, per_node)
     n_node_slots = int(n_in.sum() + n_in[seg[cut_at]].sum())
@@ -247,7 +292,7 @@ def _merge_lists(plan, h, kvh, mbase, n_in, nrb, seg0, seg, seg_ptr, cut_at, slo
     else:
         count = count.repeat(hkv)
         count.reshape(bsz, hkv)[live] += (lseg_ptr[1:] - lseg_ptr[:-1]).reshape(live.size, hkv)
-    more = np.ones((int(level.max()) + 1, 1), dtype=np.int64)  # [L, B * Hkv] node slots per level
+    more = np.ones((int(level.max(initial=0)) + 1, 1), dtype=np.int64)  # [L, B * Hkv] node slots per level
     if cut_at.size:  # the pieces after a cut: a slot more for each member of their row block
         s = seg[cut_at]
         em, n = memberships(mbase[s], n_in[s])

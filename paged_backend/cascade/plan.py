@@ -103,18 +103,27 @@ class CascadePlan:
         """What the kernels' launches take from the plan besides its buffers' contents: grids, tiles,
         which launches run, the merge's tile (:func:`fold_states`) - not the piece counts, which the
         kernels read from the lists (so a forest that loses a request keeps its key). Plans of one
-        arena with equal keys launch identically, so a CUDA graph of one replays the other."""
+        arena with equal keys launch identically, so a CUDA graph of one replays the other; in a
+        fixed arena the key is a function of the batch size (``CascadeArena.for_graphs``)."""
         return (self.batch_size, self.window, self.is_flat, self.block_m, self.node_block_n, self.block_n,
-                self.node_programs, self.leaf_programs, self.num_node_pieces > 0, self.num_leaf_pieces > 0,
-                "fused_items" in self.views, fold_block_p(self.max_merge_len))
+                self.node_programs, self.leaf_programs, self.launch_all or self.num_node_pieces > 0,
+                self.launch_all or self.num_leaf_pieces > 0, "fused_items" in self.views,
+                fold_block_p(self.max_merge_len))
 
     @property
     def num_nodes(self) -> int:
         return int(self.node_start.size)
 
     @property
+    def launch_all(self) -> bool:
+        """Whether the node and tail launches run even on empty lists (a fixed arena's plan)."""
+        return self.arena is not None and self.arena.fixed
+
+    @property
     def is_flat(self) -> bool:
-        return self.num_nodes == 0
+        """Whether the plan runs as a flat decode (no node, ``flat_plan``); a fixed arena's plan without
+        nodes runs its tails on the cascade kernels instead."""
+        return self.flat_plan is not None
 
     def nodes(self):
         """[(members (batch indices), token_start, token_end)] of the kept nodes, parents first."""
@@ -204,7 +213,7 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
                        node_start=nstart * bs, node_end=nend * bs, node_level=level, block_table_host=bt_host,
                        max_block_id=max_id, block_n=block_n_for(d) // 2, node_block_n=64 if d <= 128 else 32,
                        window=window, forest_nodes=forest_nodes, arena=arena)
-    if plan.is_flat:
+    if plan.num_nodes == 0 and not plan.launch_all:
         plan.flat_plan = plan_decode(lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                      device=device, num_programs=leaf_programs, window=window)
         src, h = staging(plan, [("seq_lens", lens.size)], block_table_device)
@@ -214,6 +223,13 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
     # (a window moves the nodes' trimmed starts and the tails' starts: the partition is made anew)
     partition(plan, group, node_programs, leaf_programs, block_table_device, cost,
               forest if forest_rows is None and window is None else None)
+    if arena is not None and arena.fixed and plan.arena is None:  # too big for it: the step as tails only
+        if plan.num_nodes == 0:
+            raise ValueError(f"a step of {bsz} rows does not fit the fixed arena (CascadeArena.for_graphs: made for "
+                             "fewer rows, or other node_programs/leaf_programs)")
+        return build_plan(table, lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device=device,
+                          groups=[], cost=cost, node_programs=node_programs, leaf_programs=leaf_programs,
+                          block_table_device=block_table_device, window=window, arena=arena, host_lens=host_lens)
     return plan
 
 
