@@ -586,6 +586,20 @@ def capture_batch(device, dtype=torch.float32) -> Batch:
     return Batch([1] * GRAPH_ROWS, [1] * GRAPH_ROWS, 16, 128, dtype=dtype, device=device, seed=9)
 
 
+def captured(step, md):
+    """``step(md)`` warmed up on a side stream (kernels compiled off the capture), then captured in a
+    CUDA graph -> (graph, the output tensor its replays write)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(md)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(md)
+    return graph, out
+
+
 @pytest.mark.kernel
 def test_full_decode_graphs_cascade_in_a_fixed_arena(vllm_config, monkeypatch):
     """With full decode graphs under Model Runner V2, decode-only batches of a captured size are planned
@@ -647,15 +661,7 @@ def test_full_decode_graph_replays_cascade_steps(vllm_config, monkeypatch):
     def common(batch):
         return batch.common_metadata().replace(seq_lens=seq_lens, block_table_tensor=table, slot_mapping=slot_mapping)
 
-    md = builder.build(0, common(cap))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward(md)  # warm-up (kernel compilation) off the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = forward(md)
+    graph, out = captured(forward, builder.build(0, common(cap)))
     nodes = []
     for batch, graphable in steps:
         kv[:batch.kv_cache.shape[0]] = batch.kv_cache
@@ -705,14 +711,7 @@ def test_decode_step_replays_in_cuda_graph(vllm_config):
         return out
 
     md = builder.build(0, first.common_metadata().replace(seq_lens=seq_lens))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(md)  # warm-up (kernel compilation) off the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(md)
+    graph, out = captured(step, md)
     graph.replay()
     check(first, layers[-1], out.view(5, HQ, 128), torch.bfloat16)
     for name in ("kv_cache", "block_table", "key", "value", "query", "slot_mapping"):
