@@ -280,6 +280,15 @@ def test_a_fixed_arena_launches_alike_per_batch_size(bs, hq, hkv):
         if use_triton(q):  # (the torch path reads the plan's host arrays, not its buffers)
             check_exact(q, k, v, bt, lens_t, first, torch.float32)
     assert nodes == {"distinct": 0, "one prompt": 1, "two prompts": 2, "nested": 0, "padding rows": 1}
+    # a forest carried from a plan outside the arena (its own tile, lists) keeps the arena's launches
+    _, table, lens = steps[2]
+    table_dev.copy_(torch.from_numpy(table))
+    eager = pb.plan_cascade(table, lens, **dict(kw, arena=None))
+    eager.block_m = 16 if first.block_m != 16 else 32  # (as an eager plan's cost model may pick)
+    carried = pb.plan_cascade(table, lens + 1, forest=eager, **kw)
+    assert carried.num_nodes == 2 and carried.launch_key() == first.launch_key()
+    check_exact(torch.randn(n, hq, d), k, v, torch.from_numpy(table), torch.from_numpy(lens + 1).int(), carried,
+                torch.float32)
     small = pb.plan_cascade(steps[1][1][:3], steps[1][2][:3], **dict(kw, block_table_device=table_dev[:3]))
     assert small.arena is arena and small.launch_key() != first.launch_key() and small.launch_key()[0] == 3
     big = np.zeros((n + 1, width), np.int32)

@@ -90,7 +90,9 @@ def partition(plan, group: int, node_programs, leaf_programs, block_table_device
     changed (the same tails, one piece each, the same programs)."""
     sms = num_sms(plan.device)
     gl = leaf_programs or sms * LEAF_PROGRAMS_PER_SM
-    if forest is not None and _node_grid(node_programs, sms, forest.block_m) == forest.node_programs \
+    # (a fixed arena's plan copies only another's: an eager plan's tile and lists would change its launches)
+    if forest is not None and forest.launch_all == plan.launch_all \
+            and _node_grid(node_programs, sms, forest.block_m) == forest.node_programs \
             and gl == forest.leaf_programs and _same_tails(plan, forest, gl):
         src, h = _copy_partition(plan, forest, block_table_device)
     else:
