@@ -534,6 +534,7 @@ def test_full_decode_graphs_take_flat_plans(vllm_config, monkeypatch):
     DecodePlan even when rows share a prefix; padded requests (length 0, as vLLM pads a graph's
     batch) give zeros. Mixed batches and batches past the captured sizes still cascade."""
     monkeypatch.setenv("PAGED_BACKEND_CASCADE", "1")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # (Model Runner V1: no request slots)
     comp = vllm_config.compilation_config
     comp.cudagraph_mode, comp.max_cudagraph_capture_size = CUDAGraphMode.FULL_DECODE_ONLY, 32
     assert PagedAttentionBackend.get_builder_cls().get_cudagraph_support(vllm_config, None) == \
@@ -669,8 +670,8 @@ def test_full_decode_graph_replays_cascade_steps(vllm_config, monkeypatch):
         table[:batch.block_table.shape[0], :batch.block_table.shape[1]] = batch.block_table
         if not graphable:  # (vLLM runs a mixed batch eagerly, on its own metadata)
             batch.kv_cache = kv[:batch.kv_cache.shape[0]]
-            md, _, (eager,) = run_step(vllm_config, layers, batch, builder)
-            check(batch, layers[-1], eager, dt)
+            md, _, outs = run_step(vllm_config, layers, batch, builder)
+            check(batch, layers[-1], outs[-1], dt)
             continue
         seq_lens.copy_(torch.tensor(batch.seq_lens, dtype=torch.int32))
         for name, buf in (("query", query), ("key", key), ("value", value), ("slot_mapping", slot_mapping)):
@@ -686,10 +687,11 @@ def test_full_decode_graph_replays_cascade_steps(vllm_config, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_decode_step_replays_in_cuda_graph(vllm_config):
-    """The declared UNIFORM_SINGLE_TOKEN_DECODE support, as vLLM uses it: a decode step captured in
-    a CUDA graph from fixed buffers replays a later step of the same batch size after its inputs
-    are copied into those buffers and ``build`` has refilled the same plan."""
+def test_decode_step_replays_in_cuda_graph(vllm_config, monkeypatch):
+    """The declared UNIFORM_SINGLE_TOKEN_DECODE support, as vLLM uses it with Model Runner V1 (flat
+    plans): a decode step captured in a CUDA graph from fixed buffers replays a later step of the same
+    batch size after its inputs are copied into those buffers and ``build`` has refilled the same plan."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     comp = vllm_config.compilation_config
     comp.cudagraph_mode, comp.max_cudagraph_capture_size = CUDAGraphMode.FULL_DECODE_ONLY, 32
     layers = make_layers(vllm_config, 128, num_layers=2)

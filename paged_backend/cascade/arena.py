@@ -43,8 +43,10 @@ class CascadeArena:
 
     def __init__(self, capacity: dict[str, int], slots: int, group: int, head_dim: int, device: torch.device,
                  fixed: bool = False):
-        self.capacity, self.slots, self.device = dict(capacity), int(slots), torch.device(device)
-        self.fixed = fixed
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # (as plan_cascade names it: plans check it)
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.capacity, self.slots, self.device, self.fixed = dict(capacity), int(slots), device, fixed
         self.offsets, at = {}, 0
         for name, n in self.capacity.items():
             self.offsets[name] = at
