@@ -604,7 +604,8 @@ def captured(step, md):
 @pytest.mark.kernel
 def test_full_decode_graphs_cascade_in_a_fixed_arena(vllm_config, monkeypatch):
     """With full decode graphs under Model Runner V2, decode-only batches of a captured size are planned
-    into the builder's fixed arena: the capture's batch (no slots) as tails only, then Model Runner V2's
+    into the builder's fixed arena: the capture's batch (no slots) as tails only (carried over from a
+    step that shared nothing to the next, as a forest is), then Model Runner V2's
     steps (request slots, padding rows of length 0) with the prompt's 64 blocks as a node once the host
     tables hold them - all with the capture's launch key, so its graph replays them (the GPU test
     replays them). The mixed step between runs eagerly. Every step matches the reference; padding rows
@@ -614,6 +615,8 @@ def test_full_decode_graphs_cascade_in_a_fixed_arena(vllm_config, monkeypatch):
     md, _, (out,) = run_step(vllm_config, layers, capture_batch("cpu"), builder)
     captured = md.plans[None]
     assert isinstance(captured, pb.CascadePlan) and captured.launch_all and captured.num_nodes == 0
+    md, _, (out,) = run_step(vllm_config, layers, capture_batch("cpu"), builder)  # (again: carried over)
+    assert builder.planner.reused == 1 and md.plans[None].launch_key() == captured.launch_key()
     for t, (kw, graphable) in enumerate(graph_slot_steps()):
         batch = Batch(block_size=16, head_size=128, **kw)
         md, _, (out,) = run_step(vllm_config, layers, batch, builder)

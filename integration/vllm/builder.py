@@ -110,6 +110,7 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         self.graph_cascade = (self.cascade and self.graph_rows > 0 and vllm_config.use_v2_model_runner
                               and os.environ.get("PAGED_BACKEND_GRAPH_CASCADE", "1") != "0")
         self._graph_arenas: dict = {}  # per window: the fixed CascadeArena of every captured size
+        self._graph_tails = False  # whether the planner's last plans are a graph step's tails only
         self._eager_plans: dict = {}  # per window
         self.planner = CascadePlanner(self.windows, **self.shape)
         # the rows of the steps before, by request slot (req_idx); not with vLLM's micro-batches, whose
@@ -174,6 +175,7 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         the rows' request slots (the host table from the steps before), or None; ``fresh [B]``: rows
         whose request may be new in its slot (still prefilling), which then share nothing."""
         self.plans_made += 1
+        self._graph_tails = False
         nd = lens.size
         table = held = None
         if self.cascade and nd >= 2 and not graphable:
@@ -208,35 +210,42 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
                 self._eager_plans[w] = plan
         return plans
 
-
     def _graph_cascade_plans(self, block_table: torch.Tensor, lens: np.ndarray, slots, fresh) -> dict:
         """Per window: a plan of the batch in the window's fixed arena (a step a full CUDA graph may
         replay, see the module doc). ``slots [R]``: the request slots of the first ``R`` rows, the rest
         vLLM's padding rows (length 0); ``fresh [R]``: as in :meth:`_plans`; None for both where the
-        metadata names no slots (vLLM's capture runs): every row as its host length says, tails only."""
+        metadata names no slots (vLLM's capture runs): every row as its host length says, tails only.
+        Steps that share nothing plan as tails only with the last such step carried over (its pieces
+        copied while only the tails' ends move), as a forest is."""
         self.plans_made += 1
         nd, bs = lens.size, self.shape["block_size"]
+        n = nd if slots is None else slots.size  # rows with a request
         if slots is None:  # (a length past the table would read past it: clamped)
             lens = np.minimum(lens, block_table.shape[1] * bs)
-        else:
-            lens = np.where(np.arange(nd) < slots.size, lens, 0)
-        arenas = {w: self._graph_arena(w) for w in self.windows}
-        kw = dict(self.shape, cost=self.cascade_cost, block_table_device=block_table)
-        if slots is not None and slots.size >= 2:
+            ids = np.arange(nd)
+        else:  # padding rows: length 0, ids of their own
+            lens = np.where(np.arange(nd) < n, lens, 0)
+            ids = np.concatenate([slots, -1 - np.arange(nd - n)])
+        table = None
+        if slots is not None and n >= 2:
             table, blocks = self.host_tables.take(slots, -(-int(lens.max()) // bs))
             blocks[fresh] = 0  # (its slot's row may be the last request's)
             if debug_enabled():
-                _check_held(table, blocks, block_table[:slots.size], slots)
-            if not _distinct(table[blocks > 0, 0]):
-                pad = nd - slots.size  # padding rows: no blocks, ids of their own
-                table = np.pad(table, ((0, pad), (0, 0)))
-                held = np.pad(blocks, (0, pad)) * bs
-                ids = np.concatenate([slots, -1 - np.arange(pad)])
-                return self.planner.plans(table, lens, ids, block_table, self.cascade_cost, arenas=arenas, checked=True,
-                                          host_lens=held)
-        self.planner.reset()
-        no_table = np.broadcast_to(np.zeros(1, np.int32), (nd, max(1, -(-int(lens.max(initial=0)) // bs))))
-        return {w: pb.plan_cascade(no_table, lens, groups=[], window=w, arena=arenas[w], **kw) for w in self.windows}
+                _check_held(table, blocks, block_table[:n], slots)
+            if _distinct(table[blocks > 0, 0]):
+                table = None
+        tails = table is None
+        if tails != self._graph_tails:  # (a tails-only step's empty forest is not carried into one sharing)
+            self.planner.reset()
+            self._graph_tails = tails
+        if tails:  # no block known on the host: nothing shared, no table read
+            table = np.broadcast_to(np.zeros(1, np.int32), (nd, max(1, -(-int(lens.max(initial=0)) // bs))))
+            held = np.zeros(nd, np.int64)
+        else:
+            table, held = np.pad(table, ((0, nd - n), (0, 0))), np.pad(blocks, (0, nd - n)) * bs
+        arenas = {w: self._graph_arena(w) for w in self.windows}
+        return self.planner.plans(table, lens, ids, block_table, self.cascade_cost, arenas=arenas, checked=True,
+                                  host_lens=held)
 
     def _graph_arena(self, window) -> CascadeArena:
         arena = self._graph_arenas.get(window)

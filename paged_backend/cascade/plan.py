@@ -204,7 +204,7 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
     # a view (copied once into the device buffer); at least one column so the views stay 2-D
     bt_host = table[:, :cols_used] if cols_used else np.zeros((bsz, 1), dtype=np.int32)
     max_id = -1
-    if bsz and cols_used and (debug_enabled() or bsz * cols_used <= (1 << 16)):
+    if bsz and cols_used and known.any() and (debug_enabled() or bsz * cols_used <= (1 << 16)):
         max_id, low = _used_id_bounds(bt_host, -(-known // bs))
         if low < 0:
             raise ValueError(f"block_table_cpu holds negative block ids in its used entries (min {low})")
