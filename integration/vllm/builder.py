@@ -242,7 +242,10 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
             table = np.broadcast_to(np.zeros(1, np.int32), (nd, max(1, -(-int(lens.max(initial=0)) // bs))))
             held = np.zeros(nd, np.int64)
         else:
-            table, held = np.pad(table, ((0, nd - n), (0, 0))), np.pad(blocks, (0, nd - n)) * bs
+            held = blocks * bs
+            if nd > n:  # (padding rows: no blocks held)
+                table = np.concatenate([table, np.zeros((nd - n, table.shape[1]), table.dtype)])
+                held = np.concatenate([held, np.zeros(nd - n, held.dtype)])
         arenas = {w: self._graph_arena(w) for w in self.windows}
         return self.planner.plans(table, lens, ids, block_table, self.cascade_cost, arenas=arenas, checked=True,
                                   host_lens=held)
