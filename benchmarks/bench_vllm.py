@@ -6,8 +6,9 @@ layer's attention (``impl.forward``), cascade against flat decode on the same st
 
 vLLM must import (on the lent GPU: its Python files and light requirements carried, docs/vllm.md;
 ``VLLM_TARGET_DEVICE=cpu`` because its CUDA platform needs its compiled ops, which the tensors here
-never touch). Cases: ``ragged`` (64 requests of 1K-8K tokens, nothing shared) and the
-prefix/n/suffix shapes of bench_cascade. bf16, Hq 32, Hkv 8, D 128, page 16. ``build`` is timed
+never touch). Cases: ``ragged`` (64 requests of 1K-8K tokens, nothing shared), ``ragged-short`` (256 of
+128-1K tokens: the tails-only plans of full graphs against flat decode where a flat plan need not
+split) and the prefix/n/suffix shapes of bench_cascade. bf16, Hq 32, Hkv 8, D 128, page 16. ``build`` is timed
 with the GPU idle, and the cascade build again with ~1 ms of work queued (``build_busy``): by the
 first-column path it waits for that work (its copy syncs), which a flat build never does; with the
 rows' request slots (Model Runner V2) it copies nothing back. Builds repeat the same step, so a
@@ -35,7 +36,9 @@ import common as C  # noqa: E402
 from bench_cascade import BS, CASES, D, HKV, HQ, build  # noqa: E402
 
 BENCH = "vllm"
-SHAPES = ["ragged", "8192/64/256", "4096/256/128", "32768/16/512"]
+SHAPES = ["ragged", "ragged-short", "8192/64/256", "4096/256/128", "32768/16/512"]
+# nothing shared: (requests, shortest, longest context)
+RAGGED = {"ragged": (64, 1024, 8192), "ragged-short": (256, 128, 1024)}
 
 
 def vllm_step(table: np.ndarray, lens: np.ndarray, device, slots: bool = False):
@@ -55,12 +58,13 @@ def vllm_step(table: np.ndarray, lens: np.ndarray, device, slots: bool = False):
 
 
 def case_inputs(name: str, device):
-    if name == "ragged":
+    if name in RAGGED:
+        rows, lo, hi = RAGGED[name]
         gen = np.random.default_rng(0)
-        lens = gen.integers(1024, 8193, 64)
+        lens = gen.integers(lo, hi + 1, rows)
         need = -(-lens // BS)
         perm = gen.permutation(int(need.sum())).astype(np.int32)
-        table = np.zeros((64, int(need.max())), np.int32)
+        table = np.zeros((rows, int(need.max())), np.int32)
         at = 0
         for i, n in enumerate(need):
             table[i, :n] = perm[at:at + n]
