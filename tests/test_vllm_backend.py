@@ -602,36 +602,43 @@ def captured(step, md):
 
 
 @pytest.mark.kernel
-def test_full_decode_graphs_cascade_in_a_fixed_arena(vllm_config, monkeypatch):
+@pytest.mark.parametrize("windows", [(None,), (None, 24, 1000)])
+def test_full_decode_graphs_cascade_in_a_fixed_arena(vllm_config, monkeypatch, windows):
     """With full decode graphs under Model Runner V2, decode-only batches of a captured size are planned
     into the builder's fixed arena: the capture's batch (no slots) as tails only (carried over from a
-    step that shared nothing to the next, as a forest is), then Model Runner V2's
-    steps (request slots, padding rows of length 0) with the prompt's 64 blocks as a node once the host
-    tables hold them - all with the capture's launch key, so its graph replays them (the GPU test
-    replays them). The mixed step between runs eagerly. Every step matches the reference; padding rows
-    give zeros."""
-    layers = make_layers(vllm_config, 128)
+    step that shared nothing to the next, as a forest is), then Model Runner V2's steps (request slots,
+    padding rows of length 0) with the prompt's 64 blocks as a node once the host tables hold them - all
+    with the capture's launch key, so its graph replays them (the GPU test replays them). The mixed step
+    between runs eagerly. With sliding-window layers beside full attention (Gemma 2) each window has
+    its fixed arena and key; a 24-token window reaches the prompt's last two blocks (its node trimmed to
+    them). Every layer of every step matches the reference; padding rows give zeros."""
+    layers = make_layers(vllm_config, 128, windows=list(windows))
     builder = graph_builder(vllm_config, monkeypatch, layers, "cpu", torch.float32)
-    md, _, (out,) = run_step(vllm_config, layers, capture_batch("cpu"), builder)
-    captured = md.plans[None]
-    assert isinstance(captured, pb.CascadePlan) and captured.launch_all and captured.num_nodes == 0
-    md, _, (out,) = run_step(vllm_config, layers, capture_batch("cpu"), builder)  # (again: carried over)
-    assert builder.planner.reused == 1 and md.plans[None].launch_key() == captured.launch_key()
+    md, _, _ = run_step(vllm_config, layers, capture_batch("cpu"), builder)
+    captured = md.plans
+    for w, plan in captured.items():
+        assert isinstance(plan, pb.CascadePlan) and plan.launch_all and plan.num_nodes == 0, w
+    md, _, _ = run_step(vllm_config, layers, capture_batch("cpu"), builder)  # (again: carried over)
+    assert builder.planner.reused == 1 and all(md.plans[w].launch_key() == captured[w].launch_key() for w in windows)
     for t, (kw, graphable) in enumerate(graph_slot_steps()):
         batch = Batch(block_size=16, head_size=128, **kw)
-        md, _, (out,) = run_step(vllm_config, layers, batch, builder)
-        plan = md.plans[None]
-        assert isinstance(plan, pb.CascadePlan) and plan.launch_all == graphable, t
-        if graphable:
-            assert plan.launch_key() == captured.launch_key() and plan.arena is captured.arena, t
-            assert plan.num_nodes == (0 if t == 0 else 1), t  # (step 0: the host tables hold nothing yet)
-            assert not out[len(kw["req_idx"]):].any()
-        check(batch, layers[0], out)
+        md, _, outs = run_step(vllm_config, layers, batch, builder)
+        for w, plan in md.plans.items():
+            assert isinstance(plan, pb.CascadePlan) and plan.launch_all == graphable, (t, w)
+            if graphable:
+                assert plan.launch_key() == captured[w].launch_key() and plan.arena is captured[w].arena, (t, w)
+                assert plan.num_nodes == (0 if t == 0 else 1), (t, w)  # (step 0: the host tables hold nothing yet)
+                if w == 24 and t:
+                    assert [(a, b) for _, a, b in plan.nodes()] == [(62 * 16, 64 * 16)]
+        for layer, out in zip(layers, outs):
+            if graphable:
+                assert not out[len(kw["req_idx"]):].any()
+            check(batch, layer, out)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # Model Runner V1 names no slots: flat plans
     v1 = make_builder(vllm_config, layers, capture_batch("cpu"))
     assert not v1.graph_cascade
     md, _, _ = run_step(vllm_config, layers, capture_batch("cpu"), v1)
-    assert isinstance(md.plans[None], pb.DecodePlan)
+    assert all(isinstance(p, pb.DecodePlan) for p in md.plans.values())
 
 
 @pytest.mark.gpu
