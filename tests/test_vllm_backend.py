@@ -583,7 +583,8 @@ def graph_builder(vllm_config, monkeypatch, layers, device, dtype):
 
 
 def capture_batch(device, dtype=torch.float32) -> Batch:
-    """What vLLM's capture runs for a graph of ``GRAPH_ROWS`` rows: one token a row, no request slots."""
+    """A capture run for a graph of ``GRAPH_ROWS`` rows: one token a row, no request slots (Model Runner
+    V2's names slots 0.. whose host rows hold nothing yet: the same tails-only plan)."""
     return Batch([1] * GRAPH_ROWS, [1] * GRAPH_ROWS, 16, 128, dtype=dtype, device=device, seed=9)
 
 

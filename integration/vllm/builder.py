@@ -214,7 +214,8 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         """Per window: a plan of the batch in the window's fixed arena (a step a full CUDA graph may
         replay, see the module doc). ``slots [R]``: the request slots of the first ``R`` rows, the rest
         vLLM's padding rows (length 0); ``fresh [R]``: as in :meth:`_plans`; None for both where the
-        metadata names no slots (vLLM's capture runs): every row as its host length says, tails only.
+        metadata names no slots: every row as its host length says, tails only. (vLLM's capture runs
+        name slots 0.. for rows of one token: nothing held on the host, tails only too.)
         Steps that share nothing plan as tails only with the last such step carried over (its pieces
         copied while only the tails' ends move), as a forest is."""
         self.plans_made += 1
