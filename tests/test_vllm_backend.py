@@ -582,10 +582,11 @@ def graph_builder(vllm_config, monkeypatch, layers, device, dtype):
     return builder
 
 
-def capture_batch(device, dtype=torch.float32) -> Batch:
-    """A capture run for a graph of ``GRAPH_ROWS`` rows: one token a row, no request slots (Model Runner
-    V2's names slots 0.. whose host rows hold nothing yet: the same tails-only plan)."""
-    return Batch([1] * GRAPH_ROWS, [1] * GRAPH_ROWS, 16, 128, dtype=dtype, device=device, seed=9)
+def capture_batch(device, dtype=torch.float32, slots: bool = False) -> Batch:
+    """A capture run for a graph of ``GRAPH_ROWS`` rows: one token a row, no request slots, or with
+    ``slots`` slots 0.. as Model Runner V2's capture names them (their host rows hold nothing yet)."""
+    return Batch([1] * GRAPH_ROWS, [1] * GRAPH_ROWS, 16, 128, dtype=dtype, device=device, seed=9,
+                 req_idx=list(range(GRAPH_ROWS)) if slots else None)
 
 
 def captured(step, md):
@@ -621,6 +622,8 @@ def test_full_decode_graphs_cascade_in_a_fixed_arena(vllm_config, monkeypatch, w
         assert isinstance(plan, pb.CascadePlan) and plan.launch_all and plan.num_nodes == 0, w
     md, _, _ = run_step(vllm_config, layers, capture_batch("cpu"), builder)  # (again: carried over)
     assert builder.planner.reused == 1 and all(md.plans[w].launch_key() == captured[w].launch_key() for w in windows)
+    md, _, _ = run_step(vllm_config, layers, capture_batch("cpu", slots=True), builder)  # (Model Runner V2's)
+    assert all(md.plans[w].num_nodes == 0 and md.plans[w].launch_key() == captured[w].launch_key() for w in windows)
     for t, (kw, graphable) in enumerate(graph_slot_steps()):
         batch = Batch(block_size=16, head_size=128, **kw)
         md, _, outs = run_step(vllm_config, layers, batch, builder)
