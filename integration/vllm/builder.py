@@ -180,13 +180,8 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         table = held = None
         if self.cascade and nd >= 2 and not graphable:
             if slots is not None:  # the rows as the steps before left them: no sync (see the module doc)
-                table, blocks = self.host_tables.take(slots, -(-int(lens.max()) // self.shape["block_size"]))
-                blocks[fresh] = 0  # (its slot's row may be the last request's)
-                if debug_enabled():
-                    _check_held(table, blocks, block_table, slots)
+                table, blocks = self._slot_rows(slots, fresh, block_table, lens)
                 held = blocks * self.shape["block_size"]
-                if _distinct(table[blocks > 0, 0]):
-                    table = None
             else:
                 table = _table_from_device(block_table)
         if table is None:
@@ -229,12 +224,7 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
             ids = np.concatenate([slots, -1 - np.arange(nd - n)])
         table = None
         if slots is not None and n >= 2:
-            table, blocks = self.host_tables.take(slots, -(-int(lens.max()) // bs))
-            blocks[fresh] = 0  # (its slot's row may be the last request's)
-            if debug_enabled():
-                _check_held(table, blocks, block_table[:n], slots)
-            if _distinct(table[blocks > 0, 0]):
-                table = None
+            table, blocks = self._slot_rows(slots, fresh, block_table[:n], lens)
         tails = table is None
         if tails != self._graph_tails:  # (a tails-only step's empty forest is not carried into one sharing)
             self.planner.reset()
@@ -250,6 +240,16 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
         arenas = {w: self._graph_arena(w) for w in self.windows}
         return self.planner.plans(table, lens, ids, block_table, self.cascade_cost, arenas=arenas, checked=True,
                                   host_lens=held)
+
+    def _slot_rows(self, slots: np.ndarray, fresh, block_table: torch.Tensor, lens: np.ndarray):
+        """The host table of the rows of request ``slots [R]`` as the steps before left them -> (table
+        [R, cols], or None where the rows share no first block; blocks [R] each row holds there, 0 for
+        ``fresh`` rows). ``block_table``: the rows' device table (checked under PAGED_BACKEND_DEBUG=1)."""
+        table, blocks = self.host_tables.take(slots, -(-int(lens.max()) // self.shape["block_size"]))
+        blocks[fresh] = 0  # (its slot's row may be the last request's)
+        if debug_enabled():
+            _check_held(table, blocks, block_table, slots)
+        return (None if _distinct(table[blocks > 0, 0]) else table), blocks
 
     def _graph_arena(self, window) -> CascadeArena:
         arena = self._graph_arenas.get(window)
