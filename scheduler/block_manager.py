@@ -39,7 +39,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
         self.bytes_per_block = bytes_per_block
-        self.ref = [0] * num_blocks
+        self.ref = np.zeros(num_blocks, np.int32)  # holders of each block
         self._forget_contents()
         self._next_uid = 0
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -74,20 +74,21 @@ class BlockManager:
         self.ref[b] += 1
         self.num_held += 1
 
-    def _release(self, blocks: Iterable[int]) -> None:
-        """One holding fewer of each of ``blocks``; those no one holds go back to the pool. (One
-        loop with the lists bound locally: a finishing sample drops every block of its prompt, and
-        64 samples of a 4K prompt are ~17K releases in one step.)"""
-        ref, free, hashes, n = self.ref, self.free_ids, self.block_hash, 0
-        for b in blocks:
-            r = ref[b] - 1
-            ref[b] = r
-            n += 1
-            if r == 0:
+    def _release(self, blocks: np.ndarray) -> None:
+        """One holding fewer of each of ``blocks`` (distinct: a sequence's table never repeats a
+        block); those no one holds go back to the pool in ``blocks``' order. Counted at once: a
+        finishing sample drops every block of its prompt, and 64 samples of a 32K prompt are ~131K
+        releases in one step (one at a time in Python 4.6 ms on the dev box, 1.7 ms so)."""
+        left = self.ref[blocks] - 1
+        self.ref[blocks] = left
+        gone = blocks[left == 0]
+        if gone.size:
+            free, hashes = self.free_ids, self.block_hash
+            for b in gone.tolist():
                 free[b] = None  # most recently used end: evicted last
                 if hashes[b] is None:
                     free.move_to_end(b, last=False)  # nothing cached: reuse first
-        self.num_held -= n
+        self.num_held -= blocks.size
 
     def _new_row(self, nblocks: int) -> int:
         if not self._free_rows:
@@ -297,7 +298,7 @@ class BlockManager:
             b = bt[bi]
             if ref[b] > 1:  # copy on write
                 nb = self._alloc_block()
-                self._release((b,))
+                self._release(np.array((b,)))
                 bt[bi] = nb
                 self.table[s.row, bi] = nb
                 copies.append((b, nb))
@@ -329,9 +330,7 @@ class BlockManager:
             c.row = self._new_row(len(seq.block_table))
             self.table[c.row, :len(seq.block_table)] = self.table[seq.row, :len(seq.block_table)]
             out.append(c)
-        ref = self.ref
-        for b in seq.block_table:
-            ref[b] += n - 1
+        self.ref[self.table[seq.row, :len(seq.block_table)]] += n - 1  # (distinct blocks)
         self.num_held += (n - 1) * len(seq.block_table)
         return out
 
@@ -342,9 +341,10 @@ class BlockManager:
         or for a sequence not in the step being built (its KV must be written)."""
         if self.enable_prefix_caching and seq.block_table:
             self._register(seq, seq.num_computed_tokens // self.block_size)
-        self._release(reversed(seq.block_table))
-        if seq.row >= 0:
-            self.table[seq.row, :len(seq.block_table)] = 0
+        if seq.row >= 0:  # (every sequence holding blocks has a row, which mirrors its table)
+            row = self.table[seq.row, :len(seq.block_table)]
+            self._release(row[::-1].copy())
+            row[:] = 0
             self._free_rows.append(seq.row)
         seq.row = -1
         seq.block_table = []

@@ -294,7 +294,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert len(set(s.block_table)) == len(s.block_table)
             for b in s.block_table:
                 count[b] += 1
-        assert count == bm.ref
+        assert count == bm.ref.tolist()
         assert sum(count) == bm.num_held
         free = set(bm.free_ids)
         assert free == {b for b in range(NB) if count[b] == 0}  # never both free and held

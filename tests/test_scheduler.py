@@ -109,7 +109,7 @@ def check_accounting(sched: Scheduler):
                 assert not s.block_table
     for g in sched.waiting:
         assert all(not s.block_table for s in g.seqs)
-    assert ref == sched.bm.ref
+    assert ref == sched.bm.ref.tolist()
     assert set(sched.bm.free_ids) == {i for i, c in enumerate(ref) if c == 0}
 
 
