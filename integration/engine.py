@@ -26,6 +26,7 @@ from paged_backend.scheduler.scheduler import FINISHED
 
 from . import hf_attention, models
 from .cascade_graphs import CascadeGraphs
+from .collector import PausedCollector
 from .compiled import CompiledForward
 from .graphs import DecodeGraphs, padded_sizes
 from .path_choice import PathChoice
@@ -181,18 +182,21 @@ class LLM:
         bar = _progress(len(reqs), use_tqdm)
         live: set[str] = set()
         step = None  # the step in flight
+        paused = PausedCollector()  # (no collections on the step loop's path; restored in finally)
         try:
             for r in reqs:
                 try:
                     self.sched.add_request(r.token_ids, r.params, request_id=r.request_id)
                 except ValueError as e:  # over a limit of this engine: this request only
-                    yield self._rejected(r, e, stats, bar)
+                    with paused.resumed():
+                        yield self._rejected(r, e, stats, bar)
                     continue
                 try:  # its sampling settings, checked before any step: a bad one fails this request only
                     self.samples.add(r)
                 except (ValueError, TypeError, OverflowError) as e:
                     self.samples.drop(self.sched.abort(r.request_id))
-                    yield self._rejected(r, e, stats, bar)
+                    with paused.resumed():
+                        yield self._rejected(r, e, stats, bar)
                     continue
                 live.add(r.request_id)
                 self._live[r.request_id] = r
@@ -223,7 +227,8 @@ class LLM:
                     stats.wall_time = time.perf_counter() - t_start
                     bar.update(1)
                     bar.set_postfix_str(f"{stats.tokens_per_s:.1f} tok/s", refresh=False)
-                    yield out
+                    with paused.resumed():
+                        yield out
         finally:
             if step is not None:  # closed early with a step in flight: its KV writes land first
                 step.wait()
@@ -233,6 +238,7 @@ class LLM:
                 if rid in self.sched.requests:
                     self.samples.drop(self.sched.abort(rid))
                 self._live.pop(rid, None)
+            paused.restore()
 
     def _rejected(self, r: Request, e: Exception, stats: RunStats, bar) -> RequestOutput:
         stats.num_rejected += 1

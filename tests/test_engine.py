@@ -2,6 +2,7 @@
 transformers' generate(); batch invariance; seeded sampling; preemption under KV exhaustion;
 stop strings, logprobs; bad input refused with the input named and nothing finished lost."""
 import copy
+import gc
 import operator
 
 import numpy as np
@@ -156,6 +157,27 @@ def test_closing_the_iterator_aborts_what_is_left(llm):
     bm = llm.sched.bm
     assert bm.num_held == 0 and bm.num_free_blocks == bm.num_blocks
     assert llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # still usable
+
+
+def test_the_collector_is_paused_in_the_step_loop_and_the_callers_between_outputs(llm, monkeypatch):
+    """No garbage collection on the step loop's path (integration/collector.py); the caller's code
+    between two outputs and after the call has the collector as the caller left it."""
+    seen = []
+    real = llm.sched.__class__.schedule
+    monkeypatch.setattr(llm.sched.__class__, "schedule", lambda self: seen.append(gc.isenabled()) or real(self))
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (1, 6, 6, 6)]
+    it = llm.generate_iter(PROMPTS, params)
+    assert len(next(it).outputs[0].token_ids) == 1 and gc.isenabled()  # (the caller's, between outputs)
+    gc.disable()  # switched by the caller between two outputs: kept after the call
+    rest = list(it)
+    assert len(rest) == 3 and not gc.isenabled()
+    gc.enable()
+    llm.generate(PROMPTS[:2], params[:2], use_tqdm=False)
+    assert gc.isenabled() and seen and not any(seen)
+    it = llm.generate_iter(PROMPTS, params)
+    next(it)
+    it.close()  # closed early (at a yield): restored too
+    assert gc.isenabled()
 
 
 def test_sample_rows_are_batched_per_step(llm, monkeypatch):
