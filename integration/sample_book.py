@@ -63,7 +63,7 @@ class SampleBook:
         positions are read anew."""
         seqs, same = batch.seqs, self._same
         if same is not None and _same_samples(seqs, same[0]) and (batch.num_samples == 1).all():
-            position = np.fromiter((len(s.token_ids) - s.num_prompt_tokens for s in seqs), np.int64, len(seqs))
+            position = np.fromiter((s.num_output_tokens for s in seqs), np.int64, len(seqs))
             return SampleRows(**same[2], key=keys_at(same[1], position)), None
         rows, fork = self._rows(batch)
         self._same = None
@@ -79,7 +79,7 @@ class SampleBook:
         seqs = [batch.seqs[i] for i in sel]
         draws = [self.draws[s.group.request_id] for s in seqs]
         index = np.array([self.index.get(s.seq_id, 0) for s in seqs], np.int64)
-        position = np.array([len(s.token_ids) - s.num_prompt_tokens for s in seqs], np.int64)
+        position = np.array([s.num_output_tokens for s in seqs], np.int64)
         fork = None
         if (counts > 1).any():
             rep = np.repeat(np.arange(len(sel)), counts)

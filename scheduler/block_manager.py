@@ -118,9 +118,9 @@ class BlockManager:
         content id ``parent``); leaves >= 1 token to compute."""
         if not self.enable_prefix_caching or (start and parent < 0):
             return []
-        bs, toks, hits = self.block_size, seq.token_ids, []
-        for i in range(start, (len(toks) - 1) // bs):
-            key = (parent, tuple(toks[i * bs:(i + 1) * bs]))
+        bs, hits = self.block_size, []
+        for i in range(start, (len(seq) - 1) // bs):
+            key = (parent, tuple(seq.tokens(i * bs, (i + 1) * bs)))
             b = self.hash_to_block.get(self.hash_fn(key))
             if b is None or self.block_key[b] != key:
                 break
@@ -131,7 +131,7 @@ class BlockManager:
     def _register(self, seq: Sequence, upto_blocks: int) -> None:
         """Give content ids to seq's full computed blocks [num_hashed_blocks, upto_blocks) and
         put them in the prefix cache (first writer wins a hash)."""
-        bs, bt, toks = self.block_size, seq.block_table, seq.token_ids
+        bs, bt = self.block_size, seq.block_table
         for i in range(seq.num_hashed_blocks, upto_blocks):
             b = bt[i]
             if self.block_uid[b] >= 0:  # shared block another holder registered already
@@ -140,7 +140,7 @@ class BlockManager:
             parent = self.block_uid[bt[i - 1]] if i else -1
             if i and parent < 0:  # previous block has no content id: chain broken, stop
                 return
-            key = (parent, tuple(toks[i * bs:(i + 1) * bs]))
+            key = (parent, tuple(seq.tokens(i * bs, (i + 1) * bs)))
             self.block_uid[b] = self._next_uid
             self._next_uid += 1
             self.block_key[b] = key
@@ -153,7 +153,7 @@ class BlockManager:
     # ---------------------------------------------------------------- allocation
     def _share_len(self, leader: Sequence, seq: Sequence) -> int:
         """Leading full blocks a sibling takes from its leader (the common prompt)."""
-        return min(seq.num_prompt_tokens, len(seq.token_ids) - 1, len(leader.token_ids)) // self.block_size
+        return min(seq.num_prompt_tokens, len(seq) - 1, len(leader)) // self.block_size
 
     def _plan(self, seqs: list[Sequence]) -> tuple[list[int], list[tuple[int, list[int]]]]:
         """Leader's prefix-cache hits; per sibling (blocks shared with the leader, further hits
@@ -176,9 +176,9 @@ class BlockManager:
         bs = self.block_size
         hits, sib = self._plan(seqs)
         taken = set(hits)
-        need = -(-len(seqs[0].token_ids) // bs) - len(hits) + sum(1 for b in taken if self.ref[b] == 0)
+        need = -(-len(seqs[0]) // bs) - len(hits) + sum(1 for b in taken if self.ref[b] == 0)
         for s, (k, more) in zip(seqs[1:], sib):
-            need += -(-len(s.token_ids) // bs) - k - len(more)
+            need += -(-len(s) // bs) - k - len(more)
             need += sum(1 for b in more if self.ref[b] == 0 and b not in taken)
             taken.update(more)
         return need
@@ -208,9 +208,9 @@ class BlockManager:
         for _, more in sib:
             for b in more:
                 self._take(b)
-        self.prefix_query_tokens += len(leader.token_ids)
+        self.prefix_query_tokens += len(leader)
         self.prefix_hit_tokens += len(hits) * bs
-        n = -(-len(leader.token_ids) // bs)
+        n = -(-len(leader) // bs)
         leader.block_table = hits + [self._alloc_block() for _ in range(n - len(hits))]
         leader.num_computed_tokens = len(hits) * bs
         leader.num_hashed_blocks = len(hits)
@@ -220,10 +220,10 @@ class BlockManager:
             shared = leader.block_table[:k]
             for b in shared:
                 self._take(b)
-            self.prefix_query_tokens += len(s.token_ids) - k * bs
+            self.prefix_query_tokens += len(s) - k * bs
             self.prefix_hit_tokens += len(more) * bs
             s.block_table = shared + more + [
-                self._alloc_block() for _ in range(-(-len(s.token_ids) // bs) - k - len(more))]
+                self._alloc_block() for _ in range(-(-len(s) // bs) - k - len(more))]
             s.prefill_after = k * bs
             s.num_computed_tokens = (k + len(more)) * bs
             s.num_hashed_blocks = k + len(more)

@@ -134,7 +134,7 @@ class Scheduler:
             ds, pf = [], False
             for s in g.seqs:
                 if s.status is RUNNING:
-                    r = len(s.token_ids) - s.num_computed_tokens
+                    r = len(s) - s.num_computed_tokens
                     if r == 1:
                         if s.wait_for is None or self._ready(s):
                             ds.append(s)
@@ -197,7 +197,7 @@ class Scheduler:
             if s.status is not RUNNING or (s.wait_for is not None and not self._ready(s)):
                 continue
             start = s.num_computed_tokens
-            rem = len(s.token_ids) - start
+            rem = len(s) - start
             if rem < min_tokens:
                 continue
             end = start + min(rem, budget)
@@ -220,14 +220,14 @@ class Scheduler:
         np.cumsum(q_lens, out=qsl[1:])
         slot_mapping = np.concatenate([np.asarray(dec_slots, np.int64)]
                                       + [bm.slots(*p) for p in pre])
-        input_ids = np.asarray([s.token_ids[-1] for s in dec]
-                               + [t for s, a, e in pre for t in s.token_ids[a:e]], np.int64)
+        input_ids = np.asarray([s.last_token for s in dec]
+                               + [t for s, a, e in pre for t in s.tokens(a, e)], np.int64)
         starts = np.repeat(seq_lens - q_lens - qsl[:-1], q_lens).astype(np.int64)
         positions = np.arange(len(input_ids), dtype=np.int64) + starts
         nsamp = np.empty(B, np.int32)
         nsamp[:D] = dec_ns
         for i, (s, a, e) in enumerate(pre, D):
-            nsamp[i] = 0 if e < len(s.token_ids) else (1 if s.group.forked else s.group.params.n)
+            nsamp[i] = 0 if e < len(s) else (1 if s.group.forked else s.group.params.n)
         seq_ids = np.fromiter((s.seq_id for s in seqs), np.int64, B)
         if B:
             rows = np.fromiter((s.row for s in seqs), np.intp, B)
@@ -298,7 +298,7 @@ class Scheduler:
         cap = self.max_model_len
         for s in batch.seqs:
             if not _ends_by_length(s, cap):
-                s.token_ids.append(PENDING)
+                s.append(PENDING)
 
     # ---------------------------------------------------------------- after the model ran
     def postprocess(self, batch: ScheduledBatch, sampled_token_ids) -> list[SequenceGroup]:
@@ -319,10 +319,10 @@ class Scheduler:
                 if s.status is FINISHED:  # ended with the step before
                     k += 1
                     continue
-                if at < len(s.token_ids):  # the token's place, held since the step ran ahead
-                    s.token_ids[at] = toks[k]
+                if at < len(s):  # the token's place, held since the step ran ahead
+                    s.set_token(at, toks[k])
                 else:
-                    s.token_ids.append(toks[k])
+                    s.append(toks[k])
                 self._check_stop(s, done)
             else:
                 g = s.group
@@ -331,7 +331,7 @@ class Scheduler:
                 g.forked = True
                 g.num_live += c - 1
                 for child, t in zip(fam, toks[k:k + c]):
-                    child.token_ids.append(t)
+                    child.append(t)
                     self._check_stop(child, done)
             k += c
         if done:
@@ -340,19 +340,19 @@ class Scheduler:
 
     def _check_stop(self, s: Sequence, done: list) -> None:
         p = s.group.params
-        t = s.token_ids[-1]
+        t = s.last_token
         reason = None
         if t in p._stop_ids:
             reason = "stop"
-        elif len(s.token_ids) - s.num_prompt_tokens >= p.max_tokens:
+        elif s.num_output_tokens >= p.max_tokens:
             reason = "length"
-        elif self.max_model_len is not None and len(s.token_ids) >= self.max_model_len:
+        elif self.max_model_len is not None and len(s) >= self.max_model_len:
             reason = "length"
         elif p.stop and self.detokenize is not None:
             # Only the tail can hold a stop string that this token completed: a character takes at
             # most 4 byte-level tokens, so 4 tokens per character of the longest stop string (and
             # a few more, so the tail's first token, decoded out of context, is not part of it).
-            text = self.detokenize(s.token_ids[max(s.num_prompt_tokens, len(s.token_ids) - p._stop_window):])
+            text = self.detokenize(s.out[max(0, len(s.out) - p._stop_window):])
             if any(x in text for x in p.stop):
                 reason = "stop"
         if reason is None:
@@ -372,6 +372,6 @@ class Scheduler:
 def _ends_by_length(s: Sequence, max_model_len: int | None) -> bool:
     """Whether sample ``s`` ends by length with its token in flight (a function: called per sample and
     step, twice, in the engine's loop)."""
-    n_next = len(s.token_ids) + 1
+    n_next = len(s) + 1
     return n_next - s.num_prompt_tokens >= s.group.params.max_tokens or \
         (max_model_len is not None and n_next >= max_model_len)

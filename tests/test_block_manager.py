@@ -63,7 +63,7 @@ def compute(bm, kv, seq, live=()):
 
 
 def append(bm, kv, seq, tok):
-    seq.token_ids.append(tok)
+    seq.append(tok)
     slot, cp = bm.append_slot(seq)
     if cp is not None:
         assert bm.ref[cp[1]] == 1 and cp[0] != cp[1]
@@ -99,6 +99,28 @@ def test_prefix_hit_and_fork_cow():
     for s in fam + [b]:
         bm.free(s)
     assert bm.num_free_blocks == 16 and bm.num_held == 0
+
+
+def test_forked_samples_share_the_prompt_list_and_keep_their_own_tokens():
+    """fork copies no prompt (samples share one list, never written) and each sample's tokens stay
+    its own; ``tokens`` reads across the two parts; a sampled token is never written into the prompt."""
+    bm = BlockManager(NB, BS)
+    seq = Sequence([1, 2, 3, 4, 5, 6])
+    bm.allocate(seq)
+    bm.mark_computed(seq, 6)
+    fam = bm.fork(seq, 3)
+    assert all(s.prompt is seq.prompt for s in fam) and len({id(s.out) for s in fam}) == 3
+    for k, s in enumerate(fam):
+        s.append(10 + k)
+        s.append(20 + k)
+        s.set_token(7, 30 + k)
+    assert [s.token_ids for s in fam] == [[1, 2, 3, 4, 5, 6, 10 + k, 30 + k] for k in range(3)]
+    assert [s.output_token_ids for s in fam] == [[10 + k, 30 + k] for k in range(3)]
+    assert fam[1].tokens(4, 8) == [5, 6, 11, 31] and fam[1].tokens(1, 3) == [2, 3] and fam[1].tokens(6, 7) == [11]
+    assert fam[2].last_token == 32 and len(fam[2]) == 8 and fam[2].num_output_tokens == 2
+    with pytest.raises(ValueError, match="prompt"):
+        fam[0].set_token(5, 0)
+    assert seq.prompt == [1, 2, 3, 4, 5, 6]
 
 
 def test_full_prompt_hit_leaves_one_token():

@@ -56,7 +56,7 @@ def test_seed_outside_int64_uint64_or_not_an_int_is_refused(seed):
 def _step_rows(book, params_by_id, positions=(0, 3)):
     """SampleBook rows for one decode row per request and position (no model: a stand-in batch)."""
     seqs = [SimpleNamespace(group=SimpleNamespace(request_id=rid), seq_id=k, token_ids=[1] * (2 + pos),
-                            num_prompt_tokens=2)
+                            num_prompt_tokens=2, num_output_tokens=pos)
             for k, (rid, pos) in enumerate((rid, pos) for rid in params_by_id for pos in positions)]
     return book.rows(SimpleNamespace(num_samples=np.ones(len(seqs), np.int32), seqs=seqs))[0]
 
@@ -84,7 +84,7 @@ def test_seeds_below_2_63_keep_their_noise_keys():
     for seed in want:
         book.add(Request(str(seed), None, [1, 2], SamplingParams(seed=seed), seed))
     seqs = [SimpleNamespace(group=SimpleNamespace(request_id=str(seed)), seq_id=k, token_ids=[1] * (2 + pos),
-                            num_prompt_tokens=2)
+                            num_prompt_tokens=2, num_output_tokens=pos)
             for k, (seed, pos) in enumerate((seed, pos) for seed in want for pos in (0, 7))]
     book.index.update({k: 2 for k in range(1, len(seqs), 2)})  # the second row of each: sample index 2
     rows = book.rows(SimpleNamespace(num_samples=np.ones(len(seqs), np.int32), seqs=seqs))[0]
