@@ -372,6 +372,5 @@ class Scheduler:
 def _ends_by_length(s: Sequence, max_model_len: int | None) -> bool:
     """Whether sample ``s`` ends by length with its token in flight (a function: called per sample and
     step, twice, in the engine's loop)."""
-    n_next = len(s) + 1
-    return n_next - s.num_prompt_tokens >= s.group.params.max_tokens or \
-        (max_model_len is not None and n_next >= max_model_len)
+    return s.num_output_tokens + 1 >= s.group.params.max_tokens or \
+        (max_model_len is not None and len(s) + 1 >= max_model_len)

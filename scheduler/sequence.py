@@ -23,7 +23,8 @@ class Sequence:
 
     Why two lists: ``fork`` makes a prompt's n samples at the end of its prefill, on the step loop's
     path, and a copy of the prompt each (63 copies of a 32K-token list: ~6 ms on the development
-    box, ~15 ms of GPU idle on the H200's host) bought nothing, as samples never change their prompt.
+    box; the H200 showed 16.5-17.8 ms of GPU idle before the first decode step) bought nothing, as
+    samples never change their prompt.
 
     num_computed_tokens: tokens whose KV is in the cache, or scheduled to be written by the step
     being built. In decode it is len(seq) - 1: the newest sampled token has no KV yet.
