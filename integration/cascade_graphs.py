@@ -128,7 +128,7 @@ class _CascadeGraph:
         # (kept: the graph reads every tensor the step holds - rows, the plans' buffers - at their addresses)
         self.step = step = Step(cache, inp.ids, inp.pos, inp.slots, inp.table, inp.lens, None, rows, CASCADE,
                                 max_seq_len, plans=plans)
-        run = step_forward(model, inp, rows, step, sample, mode)
+        run = step_forward(model, inp, step, sample, mode)
         if not capture_it:
             self.replay = lambda: setattr(self, "out", run())
             with torch.inference_mode():

@@ -161,14 +161,15 @@ def capture(run, pool, device: torch.device, warmups: int = 2):
     return graph, out
 
 
-def step_forward(model, inp: StaticInputs, rows: torch.Tensor, step, sample=None, mode=None):
-    """The forward a decode step's graph holds, on ``inp``'s buffers (``rows``: ``arange(size)``, the
-    rows whose logits it keeps) -> a callable giving ``(logits [size, V], Sampled [size] or None)``:
+def step_forward(model, inp: StaticInputs, step, sample=None, mode=None):
+    """The forward a decode step's graph holds, on ``inp``'s buffers, every row's logits kept
+    (``logits_to_keep=0``: the last hidden states as they are, where a tensor of row indices
+    gathered them first) -> a callable giving ``(logits [size, V], Sampled [size] or None)``:
     with ``sample`` (``Sampler.sample``) every row drawn in the same graph by ``mode`` (a
     ``SampleMode``) at its settings and key in ``inp`` (a step whose rows draw otherwise ignores them),
     its tokens written into ``inp.ids`` and, with their log-probabilities, ``inp.drawn``."""
     def run():
-        logits = model(input_ids=inp.ids, position_ids=inp.pos, use_cache=False, logits_to_keep=rows,
+        logits = model(input_ids=inp.ids, position_ids=inp.pos, use_cache=False, logits_to_keep=0,
                        paged_step=step).logits[0]
         if sample is None:
             return logits, None
@@ -221,7 +222,7 @@ class _Graph:
         got = self.modes.get(mode)
         if got is not None:
             return got
-        run = step_forward(self.model, self.inputs, self.rows, self.step, self.sample, mode)
+        run = step_forward(self.model, self.inputs, self.step, self.sample, mode)
         if self.capture_it:
             with self.inputs.ids_kept():
                 graph, out = capture(run, self.pool, self.rows.device)  # (logits [size, V], Sampled or None)

@@ -361,19 +361,22 @@ def test_compiled_layers_give_the_same_tokens(family):
     each (test_fused_linears): the uncompiled engine's
     tokens, n samples of two prompts (prefill, cascade and flat decode). The layers run compiled
     inside the engine's calls only: the user's model object is left as it was."""
-    from paged_backend.integration.compiled import CompiledForward
+    from paged_backend.integration.compiled import CompiledForward, decoder_parts
     model = tiny(family, seed=2)
     prompts = [{"prompt_token_ids": list(range(3, 3 + 50))}, {"prompt_token_ids": list(range(7, 7 + 35))}]
     params = SamplingParams(n=3, temperature=0, max_tokens=8)
     kw = dict(device="cpu", num_blocks=96, cascade=CascadeCost(0, 0, 0), max_num_seqs=8)
     want = [[c.token_ids for c in o.outputs] for o in LLM(model, **kw).generate(prompts, params, use_tqdm=False)]
-    layers = model.get_decoder().layers
-    seen = []  # per model call: were the layers' compiled calls in place?
-    model.register_forward_pre_hook(lambda m, args: seen.append(all(x._compiled_call_impl is not None for x in layers)))
+    decoder = model.get_decoder()
+    layers, parts = decoder.layers, decoder_parts(model)
+    assert parts == [decoder.norm, decoder.rotary_emb]  # (the final norm and the cos/sin tables)
+    modules = [*layers, *parts]
+    seen = []  # per model call: were the compiled calls in place?
+    model.register_forward_pre_hook(lambda m, args: seen.append(all(x._compiled_call_impl is not None for x in modules)))
     llm = LLM(model, compile_model="aot_eager", **kw)
     assert isinstance(llm.forward, CompiledForward) and len(llm.forward.projections.groups) == 2 * len(layers)  # qkv, gate/up
     assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)] == want
-    assert seen and all(seen) and all(x._compiled_call_impl is None for x in layers)
+    assert seen and all(seen) and all(x._compiled_call_impl is None for x in modules)
     k = layers[0].self_attn.k_proj.weight
     k.data = k.detach().clone()  # re-pointed (same values): put back end to end before the next call
     assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)] == want
