@@ -4,8 +4,8 @@ A cascade step's plan is made on the host each step (the forest carried over, th
 and merge lists anew), but its kernels read all of it from device buffers. Planned into a
 :class:`~paged_backend.cascade.CascadeArena` (buffers at fixed addresses) with the block table at a
 fixed address, two steps' plans whose ``launch_key()`` agree launch identical kernels with identical
-arguments: one graph of the model's forward, captured with the first, replays the second after its
-plan is uploaded (one host-to-device copy, beside the inputs' one). So a cascade step is planned,
+arguments: one graph of the model's forward, captured with the first, replays the second, whose plan
+its first kernels read in from pinned memory with the inputs (:mod:`.static_inputs`). So a cascade step is planned,
 uploaded and replayed like a flat one (:mod:`.graphs`), with no Python between layers.
 
 For each padded batch size (as :func:`graphs.padded_size`) there are static inputs, one arena per
@@ -110,7 +110,8 @@ class CascadeGraphs:
         if not grow:
             return plans
         for w in grow:
-            self.arenas[size, w] = CascadeArena.grown_for(plans[w], arenas[w])
+            arena = self.arenas[size, w] = CascadeArena.grown_for(plans[w], arenas[w])
+            arena.read_in_graph(inp.consumed)  # (the graphs read their plans in: static_inputs.py)
         self.graphs.pop(size, None)
         return self.builder.cascade_plans(table, lens, ids, inp.table,
                                           {w: self.arenas.get((size, w)) for w in self.builder.windows})
@@ -128,7 +129,7 @@ class _CascadeGraph:
         # (kept: the graph reads every tensor the step holds - rows, the plans' buffers - at their addresses)
         self.step = step = Step(cache, inp.ids, inp.pos, inp.slots, inp.table, inp.lens, None, rows, CASCADE,
                                 max_seq_len, plans=plans)
-        run = step_forward(model, inp, step, sample, mode)
+        run = step_forward(model, inp, step, sample, mode, arenas=[p.arena for p in plans.values()])
         if not capture_it:
             self.replay = lambda: setattr(self, "out", run())
             with torch.inference_mode():

@@ -4,17 +4,18 @@ An eager decode step of a transformers model costs the host a few hundred kernel
 milliseconds for a 30-layer model), far above the GPU's work. A decode step whose attention is
 ``pb.paged_decode`` with a ``DecodePlan`` replays instead: the model's forward for a batch padded
 to a captured size (1, 2, 4, 8, 16, 32, 64, then multiples of 64) is captured once, reading fixed
-device buffers; each step copies its metadata into them (one host-to-device copy), refills the
-plan's buffers with ``plan.update`` and replays. Padding rows have length 0 (attention gives 0),
+device buffers; each step writes its metadata into pinned memory, which the graph's first kernel
+reads into them (:mod:`.static_inputs`), refills the plan's buffers with ``plan.update`` and replays. Padding rows have length 0 (attention gives 0),
 slot -1 (nothing is written) and token 0; their logits are dropped.
 
 A graph also draws the step's tokens (``sample``: ``Sampler.sample``, the whole draw on the device)
-from sampling settings and noise keys that come up in the same copy: a decode step calls no sampler
+from sampling settings and noise keys that come in with the inputs: a decode step calls no sampler
 from the host and uploads nothing of its own (H200, SmolLM2 shape, temperature-only rows: host
 1.0-1.14 -> 0.79 ms a step). The draw's steps depend on the batch's settings (``SampleMode``: greedy
 rows, min-p, top-k, top-p, log-probabilities): a size keeps one graph per mode seen, the default
 one captured first; a step whose rows fork (a prompt's last step drawing its n samples) replays that
-one and draws with the sampler after it.
+one and draws with the sampler after it. The draw's tokens and log-probabilities go to pinned
+memory from the graph's last kernel.
 
 Cascade steps replay graphs of their own, whose plans live in fixed buffers (:mod:`.cascade_graphs`).
 So on a GPU a decode step whose samples share a prompt runs either flat (reading the shared KV once
@@ -23,14 +24,13 @@ per sample) or as a cascade (reading it once, with a plan made on the host each 
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 
 import paged_backend as pb
 
 from .sampler import SampleMode, Sampled
+from .static_inputs import StaticInputs
 from .step import DECODE, Step
 
 
@@ -49,102 +49,6 @@ def padded_sizes(max_num_seqs: int) -> list[int]:
                               reverse=True) if s <= top]
 
 
-class StaticInputs:
-    """A decode step's inputs padded to ``size`` rows, in one device buffer (the fixed addresses a CUDA
-    graph reads) filled by one copy, or two where the block table is wide and its used columns few:
-    ``ids``, ``pos`` [1, size] int64, ``slots`` [size] int64,
-    ``table`` [size, width] int32, ``lens`` [size] int32, and the draw's ``keys`` [size] int64 (noise)
-    and settings (``SampleSettings``: ``k`` int64, ``temp``, ``min_p``, ``top_p`` float32, ``greedy``
-    bool). Padding rows: token 0 (or the last draw's) at position 0, slot -1 (nothing is written),
-    length 0 (attention gives 0), key 0 at temperature 1 with no filter (a draw whose token is
-    dropped). ``host``: {name: the host array last copied}.
-
-    A graph that draws writes its tokens into ``ids`` (the next step's input ids where it runs ahead
-    on the same inputs: :meth:`fill` then leaves them on the device) and the tokens and their
-    log-probabilities into ``drawn`` [size, 2] float64 (one copy to the host), so between two steps
-    the device runs only their copies (H200, 2026-11-29: five small kernels and copies fewer, ~57 us
-    of GPU idle between the 8B shape's steps before)."""
-
-    # the draw's settings of a padding row (and of every row of a step the graph does not draw)
-    PAD = dict(keys=0, k=1, temp=1.0, min_p=0.0, top_p=np.inf, greedy=False)
-
-    def __init__(self, size: int, width: int, device: torch.device):
-        self.size, self.width = size, width
-        # int64 parts first, then int32, float32 and bool ones (aligned views), the block table last
-        # and 16-byte aligned: the parts before it go up in one piece and the table's used columns
-        # after them (fill). The padding values from the start: a warm-up writes no KV.
-        p = self.PAD
-        self.host = dict(ids=np.zeros((1, size), np.int64), pos=np.zeros((1, size), np.int64),
-                         slots=np.full(size, -1, np.int64), keys=np.full(size, p["keys"], np.int64),
-                         k=np.full(size, p["k"], np.int64), lens=np.zeros(size, np.int32),
-                         temp=np.full(size, p["temp"], np.float32), min_p=np.full(size, p["min_p"], np.float32),
-                         top_p=np.full(size, p["top_p"], np.float32), greedy=np.full(size, p["greedy"], np.bool_))
-        self._parts = sum(a.nbytes for a in self.host.values())
-        self._head = -(-self._parts // 16) * 16  # bytes before the table
-        self.host["table"] = np.zeros((size, width), np.int32)
-        first = np.zeros(self._head + self.host["table"].nbytes, np.uint8)
-        np.concatenate([a.reshape(-1).view(np.uint8) for n, a in self.host.items() if n != "table"],
-                       out=first[:self._parts])
-        self.buffer = torch.from_numpy(first).to(device)
-        at = 0
-        for name, a in self.host.items():
-            at = self._head if name == "table" else at
-            setattr(self, name, self.buffer[at:at + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape))
-            at += a.nbytes
-        self._rows = self._cols = 0  # the table's rows and columns that may hold block ids, here and there
-        self.drawn = torch.zeros(size, 2, dtype=torch.float64, device=device)
-
-    def fill(self, batch, ids: torch.Tensor | None = None, draw=None) -> None:
-        """Copies ``batch`` (decode-only, at most ``size`` rows) in, the rest padding. ``ids`` [B] on
-        the device: input ids that replace ``batch.input_ids`` (a step run ahead; where they are
-        these inputs' own ``ids``, written by the last graph's draw, they stay). ``draw``: the
-        rows' ``(SampleSettings, noise keys [B])`` for the graph's draw, or None (the padding's
-        values: the graph's draw is not used)."""
-        b = len(batch.seqs)
-        h = self.host
-        h["ids"][0, :b], h["ids"][0, b:] = batch.input_ids, 0
-        h["pos"][0, :b], h["pos"][0, b:] = batch.positions, 0
-        h["slots"][:b], h["slots"][b:] = batch.slot_mapping, -1
-        # the table's used columns only (a model's whole context can be 8K blocks a row, a step's few
-        # hundred), and zeros over those the last step used
-        cols = batch.block_tables.shape[1]
-        t, c = h["table"], max(cols, self._cols)
-        t[:b, :cols], t[:b, cols:c], t[b:max(b, self._rows), :c] = batch.block_tables, 0, 0
-        self._rows, self._cols = b, cols
-        h["lens"][:b], h["lens"][b:] = batch.seq_lens, 0
-        st, keys = draw if draw is not None else (None, None)
-        for name, pad in self.PAD.items():
-            h[name][:b] = pad if st is None else keys if name == "keys" else getattr(st, name)
-            h[name][b:] = pad
-        # a fresh pinned buffer (torch's pinned cache gives it out again once copied): the host may
-        # fill the next step's while this copy waits in the stream. One copy where the table's first c
-        # columns are most of it; else the parts before it and those columns (a device-side copy of
-        # them into the table's rows after).
-        whole = 2 * c > self.width
-        src = torch.empty(self._head + 4 * self.size * (self.width if whole else c), dtype=torch.uint8,
-                          pin_memory=self.buffer.is_cuda)
-        host = src.numpy()
-        np.concatenate([a.reshape(-1).view(np.uint8) for n, a in h.items() if n != "table"], out=host[:self._parts])
-        host[self._head:].view(np.int32).reshape(self.size, -1)[...] = t if whole else t[:, :c]
-        own = ids is not None and ids.data_ptr() == self.ids.data_ptr()  # (ids first in the buffer: skipped)
-        at = self.ids.nbytes if own else 0
-        if whole:
-            self.buffer[at:].copy_(src[at:], non_blocking=True)
-        else:
-            self.buffer[at:self._head].copy_(src[at:self._head], non_blocking=True)
-            self.table[:, :c].copy_(src[self._head:].view(torch.int32).view(self.size, c), non_blocking=True)
-        if ids is not None and not own:
-            self.ids[0, :b].copy_(ids)
-
-    @contextlib.contextmanager
-    def ids_kept(self):
-        """Leaves ``ids`` as it finds them: a warm-up run's draw writes its tokens there, and the step's
-        own run follows it."""
-        saved = self.ids.clone()
-        yield
-        self.ids.copy_(saved)
-
-
 def capture(run, pool, device: torch.device, warmups: int = 2):
     """``run()`` (a model's forward, returning a tensor) captured as a CUDA graph in memory ``pool``,
     after ``warmups`` eager runs on a side stream (kernels compiled, plans' launches bound, libraries'
@@ -161,22 +65,26 @@ def capture(run, pool, device: torch.device, warmups: int = 2):
     return graph, out
 
 
-def step_forward(model, inp: StaticInputs, step, sample=None, mode=None):
+def step_forward(model, inp: StaticInputs, step, sample=None, mode=None, arenas=()):
     """The forward a decode step's graph holds, on ``inp``'s buffers, every row's logits kept
     (``logits_to_keep=0``: the last hidden states as they are, where a tensor of row indices
-    gathered them first) -> a callable giving ``(logits [size, V], Sampled [size] or None)``:
-    with ``sample`` (``Sampler.sample``) every row drawn in the same graph by ``mode`` (a
-    ``SampleMode``) at its settings and key in ``inp`` (a step whose rows draw otherwise ignores them),
-    its tokens written into ``inp.ids`` and, with their log-probabilities, ``inp.drawn``."""
+    gathered them first) -> a callable giving ``(logits [size, V], Sampled [size] or None)``. It
+    starts with the step's inputs read in (:meth:`StaticInputs.copy_in`, then each of ``arenas``'
+    cascade plans); with ``sample`` (``Sampler.sample``) every row is drawn in the same graph by
+    ``mode`` (a ``SampleMode``) at its settings and key in ``inp`` (a step whose rows draw
+    otherwise ignores them), its tokens written into ``inp.ids`` and, with their
+    log-probabilities, ``inp.drawn`` (:meth:`StaticInputs.publish`)."""
     def run():
+        inp.copy_in()
+        for arena in arenas:
+            arena.copy_in()
+        inp.consumed_here()
         logits = model(input_ids=inp.ids, position_ids=inp.pos, use_cache=False, logits_to_keep=0,
                        paged_step=step).logits[0]
         if sample is None:
             return logits, None
         s = sample(logits, mode, inp.k, inp.temp, inp.min_p, inp.top_p, inp.greedy, inp.keys)
-        inp.ids[0].copy_(s.tokens)  # (the embedding read them at the start: the next step's, in place)
-        inp.drawn[:, 0].copy_(s.tokens)
-        inp.drawn[:, 1].copy_(s.logprobs)
+        inp.publish(s.tokens, s.logprobs)  # (the embedding read the ids at the start: the next step's, in place)
         return logits, s
     return run
 
@@ -184,14 +92,15 @@ def step_forward(model, inp: StaticInputs, step, sample=None, mode=None):
 def step_outputs(out: tuple, inp: StaticInputs, b: int, drawn: bool):
     """A graph's outputs (:func:`step_forward`) on ``inp`` for a batch of ``b`` rows -> (logits [b, V],
     the ``Sampled`` of its rows where the graph drew them for the batch (``drawn``), else None). The
-    tokens and ``packed`` are views of ``inp.ids`` and ``inp.drawn``, not of the graph's outputs: they
-    outlive the step (the next one's input ids), and a view of the graph's memory pool would keep it
-    in use after the graph is dropped (torch then fails the next capture into that pool)."""
+    tokens are a view of ``inp.ids`` and ``packed`` of the half of ``inp.drawn`` the step's graph
+    wrote, not of the graph's outputs: they outlive the step (the next one's input ids), and a view
+    of the graph's memory pool would keep it in use after the graph is dropped (torch then fails the
+    next capture into that pool)."""
     logits, s = out
     if not drawn or s is None:
         return logits[:b], None
     top = (None, None) if s.top_ids is None else (s.top_ids[:b], s.top_logprobs[:b])
-    return logits[:b], Sampled(inp.ids[0, :b], s.logprobs[:b], *top, packed=inp.drawn[:b])
+    return logits[:b], Sampled(inp.ids[0, :b], s.logprobs[:b], *top, packed=inp.drawn[inp.half, :b])
 
 
 class _Graph:

@@ -35,14 +35,16 @@ class Launched:
     def start(cls, batch, kind: str, sampled: Sampled, t0: float, t_issued: float, captured: bool,
               events) -> "Launched":
         """Queues the copies of ``sampled`` to the host behind the step's kernels."""
-        packed = sampled.packed  # [S, 2] (a graph's draw packs them itself: no kernels between steps)
+        packed = sampled.packed  # [S, 2] (a graph's draw packs them itself, into pinned memory on a GPU)
         if packed is None:
             packed = torch.stack([sampled.tokens.double(), sampled.logprobs.double()], dim=1)
         top = None if sampled.top_ids is None else (sampled.top_ids, sampled.top_logprobs)
         copied = None
-        if packed.is_cuda:
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
+        if sampled.tokens.is_cuda:  # (a graph's draw wrote packed into pinned memory: nothing to copy)
+            host = packed
+            if packed.is_cuda:
+                host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                host.copy_(packed, non_blocking=True)
             if top is not None:
                 top = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                             for t in top)
@@ -59,4 +61,4 @@ class Launched:
             self.copied.synchronize()
         host = self.host.numpy()
         top = None if self.top is None else tuple(t.numpy() for t in self.top)
-        return host[:, 0].astype(np.int64), host[:, 1], top
+        return host[:, 0].astype(np.int64), host[:, 1].copy(), top  # (copies: a graph writes its half again)

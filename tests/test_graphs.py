@@ -1,5 +1,6 @@
-"""The decode graphs' static inputs (integration/graphs.py ``StaticInputs``): what ``fill`` leaves in the
-buffers the graphs read, step after step."""
+"""The decode graphs' static inputs (integration/static_inputs.py ``StaticInputs``): what ``fill`` and
+a graph's first step (``copy_in``) leave in the buffers the graphs read, step after step, and where a
+graph's draw goes (``publish``)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -36,6 +37,7 @@ def test_fill_steps(device, width):
     for b, cols in [(8, 10), (5, 12), (8, 3), (2, 12), (6, 7), (8, 1)]:
         batch = decode_batch(rng, b, cols)
         inp.fill(batch)
+        inp.copy_in()
         table = np.zeros((size, width), np.int32)
         table[:b, :cols] = batch.block_tables
         pad = lambda x, v: np.concatenate([x, np.full(size - b, v, x.dtype)])  # noqa: E731
@@ -61,13 +63,39 @@ def test_fill_leaves_the_ids_a_graph_drew(device, width):
     inp.ids[0].copy_(drawn)  # what the graph's draw leaves
     batch = decode_batch(rng, b, 5)  # (its input ids: the host's placeholders)
     inp.fill(batch, inp.ids[0, :b])
+    inp.copy_in()
     assert torch.equal(inp.ids[0], drawn)
     assert np.array_equal(inp.pos[0, :b].cpu().numpy(), batch.positions)
     assert np.array_equal(inp.table[:b, :5].cpu().numpy(), batch.block_tables)
     assert np.array_equal(inp.slots[:b].cpu().numpy(), batch.slot_mapping)
     other = torch.arange(7, 7 + b, device=device)
     inp.fill(batch, other)
+    inp.copy_in()
     assert inp.ids[0].tolist() == other.tolist() + [0] * (size - b)
     with inp.ids_kept():
         inp.ids.fill_(3)
     assert inp.ids[0].tolist() == other.tolist() + [0] * (size - b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_publish_alternates_halves(device):
+    """A graph's draw: its tokens become the inputs' ids, and tokens and log-probabilities go to the
+    half of ``drawn`` its fill picked - the next fill's graph writes the other half, so the one the
+    host reads is not written until two fills later."""
+    size, rng = 8, np.random.default_rng(2)
+    inp = StaticInputs(size, 12, torch.device(device))
+    seen = []
+    for step in range(3):
+        inp.fill(decode_batch(rng, 6, 4))
+        inp.copy_in()
+        tokens = torch.arange(size, device=device) + 10 * step
+        logprobs = -torch.arange(size, device=device, dtype=torch.float32) / (step + 1)
+        inp.publish(tokens, logprobs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert inp.ids[0].tolist() == tokens.tolist()
+        half = inp.drawn[inp.half]
+        assert half[:, 0].tolist() == tokens.double().tolist() and half[:, 1].tolist() == logprobs.double().tolist()
+        seen.append((inp.half, half[:, 0].clone()))
+    assert [h for h, _ in seen] == [1, 0, 1]
+    assert inp.drawn[0, :, 0].tolist() == seen[1][1].tolist()  # (the second step's half, untouched by the third)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from paged_backend.kernels import stage
+
 # room made for each part (and the partial states): this many times a plan's need, plus a little
 HEADROOM = 2
 ALIGN = 4  # int32 entries: each part starts 16-byte aligned (as Triton specializes pointers)
@@ -59,6 +61,7 @@ class CascadeArena:
         # the longest merge list of the first plan made in it: every plan's fold loads that many states
         # at once (longer lists take more rounds), so a forest whose lists change keeps its launches
         self.fold_len = FIXED_FOLD_LEN if fixed else 0
+        self.pinned, self.consumed = None, None  # (read_in_graph)
 
     @classmethod
     def for_graphs(cls, max_batch: int, *, num_q_heads: int, num_kv_heads: int, head_dim: int, device,
@@ -103,11 +106,34 @@ class CascadeArena:
         """The device view of part ``name``'s first ``n`` entries."""
         return self.buffer[self.offsets[name]:self.offsets[name] + n]
 
+    def read_in_graph(self, consumed: torch.cuda.Event | None) -> None:
+        """From now on :meth:`send` leaves the plans in pinned memory, which :meth:`copy_in` reads into
+        the device buffer as the first step of a CUDA graph (``integration/static_inputs.py``: no copy
+        between two graphs). ``consumed``: an event the graph records after its ``copy_in``, which
+        ``send`` waits for before it writes again (None on the CPU)."""
+        self.pinned = torch.zeros(self.size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self.consumed = consumed
+
+    def copy_in(self) -> None:
+        """The last :meth:`send`'s plan into the device buffer (after :meth:`read_in_graph`)."""
+        if not self.size:
+            return
+        if self.buffer.is_cuda:
+            stage.copy_in(self.pinned, self.buffer, 0, self.size)
+        else:
+            self.buffer[:self.size] = self.pinned
+
     def send(self, src: torch.Tensor, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-        """Copies a filled :meth:`stage` buffer to the arena (one copy) -> {name: device view of its
-        first ``sizes[name]`` entries} (the last send's views where the sizes are the same: a tensor
-        view costs host time, several microseconds on some hosts)."""
-        self.buffer[:self.size].copy_(src, non_blocking=True)
+        """Copies a filled :meth:`stage` buffer to the arena (one copy; after :meth:`read_in_graph`
+        into its pinned memory) -> {name: device view of its first ``sizes[name]`` entries} (the last
+        send's views where the sizes are the same: a tensor view costs host time, several
+        microseconds on some hosts)."""
+        if self.pinned is None:
+            self.buffer[:self.size].copy_(src, non_blocking=True)
+        else:
+            if self.consumed is not None:
+                self.consumed.synchronize()  # (the last graph has read the last send)
+            self.pinned.copy_(src)
         key = tuple(sizes.items())
         if key != self._views[0]:
             self._views = key, {name: self.buffer[self.offsets[name]:self.offsets[name] + n] for name, n in key}
