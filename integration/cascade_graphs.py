@@ -77,6 +77,8 @@ class CascadeGraphs:
         inp.fill(batch, ids, draw)
         plans = self._plan(batch, inp)
         if any(p.is_flat for p in plans.values()):
+            inp.copy_in()  # (no graph reads these inputs in: the device keeps what the host last wrote)
+            inp.consumed_here()
             return None
         mode = SampleMode() if draw is None else draw[0].mode  # (fixed by the graph too)
         key = (mode, *((w, p.launch_key()) for w, p in plans.items()))

@@ -76,7 +76,9 @@ class StaticInputs:
         they are these inputs' own ``ids``, written by the last graph's draw, they stay). ``draw``: the
         rows' ``(SampleSettings, noise keys [B])`` for the graph's draw, or None (the padding's
         values: the graph's draw is not used). The device gets them in the graph (:meth:`copy_in`),
-        the input ids now where they are not its own."""
+        the input ids now where they are not its own. Each fill must be read in before the next
+        (the table's columns and rows to clear are counted from the last fill's): where no graph
+        runs on it, the caller runs :meth:`copy_in` and :meth:`consumed_here` itself."""
         if self.consumed is not None:
             self.consumed.synchronize()  # (the last graph has read what the last fill wrote)
         b = len(batch.seqs)

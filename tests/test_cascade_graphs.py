@@ -56,3 +56,29 @@ def test_a_repeated_schedule_captures_nothing_the_second_time(monkeypatch):
     assert steps >= 60 and 5 <= first < steps  # (a graph per padded size 128, 64, 32, 16, 8 at least)
     generate([[t - 2 for t in p] for p in ids], [4] * prompts)
     assert generate(ids, news) == (0, steps)
+
+
+def test_a_step_left_to_the_flat_graph_still_reads_its_inputs_in():
+    """A step whose plan keeps no node goes to the flat graph (``run`` gives None) after its inputs were
+    written for the cascade graph: they are read in there and then, so the next step's columns and
+    rows to clear are counted from what the device holds (a step of 10 table columns, one of 5 left
+    to the flat graph, one of 3: the device table's columns 3.. are zeros)."""
+    spec = KVCacheSpec(1, 2, 64, 16, torch.float32, torch.device("cpu"))
+    cache = PagedKVCache(spec, 64)
+    graphs = CascadeGraphs(None, cache, StepBuilder(cache, num_q_heads=4), max_num_seqs=8, max_model_len=16 * 12,
+                           capture=False)
+    flat = {None: SimpleNamespace(is_flat=True)}
+    graphs._plan = lambda batch, inp: flat
+
+    def batch(cols):
+        table = np.arange(1, 1 + 8 * cols, dtype=np.int32).reshape(8, cols)
+        return SimpleNamespace(seqs=[None] * 8, input_ids=np.zeros(8, np.int64), positions=np.full(8, 16 * cols - 1),
+                               slot_mapping=np.zeros(8, np.int64), block_tables=table,
+                               seq_lens=np.full(8, 16 * cols, np.int32))
+    for cols in (10, 5, 3):
+        b = batch(cols)
+        assert graphs.run(b) is None
+        inp = graphs.inputs[8]
+        want = np.zeros((8, inp.width), np.int32)
+        want[:, :cols] = b.block_tables
+        assert np.array_equal(inp.table.numpy(), want), cols
