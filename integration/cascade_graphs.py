@@ -5,8 +5,8 @@ and merge lists anew), but its kernels read all of it from device buffers. Plann
 :class:`~paged_backend.cascade.CascadeArena` (buffers at fixed addresses) with the block table at a
 fixed address, two steps' plans whose ``launch_key()`` agree launch identical kernels with identical
 arguments: one graph of the model's forward, captured with the first, replays the second, whose plan
-its first kernels read in from pinned memory with the inputs (:mod:`.static_inputs`). So a cascade step is planned,
-uploaded and replayed like a flat one (:mod:`.graphs`), with no Python between layers.
+its first kernels read in from pinned memory with the inputs (:mod:`.static_inputs`). So a cascade
+step is planned, sent and replayed like a flat one (:mod:`.graphs`), with no Python between layers.
 
 For each padded batch size (as :func:`graphs.padded_size`) there are static inputs, one arena per
 sliding window and the graphs of the launch keys seen so far (with the draw's ``SampleMode``): a

@@ -5,8 +5,9 @@ milliseconds for a 30-layer model), far above the GPU's work. A decode step whos
 ``pb.paged_decode`` with a ``DecodePlan`` replays instead: the model's forward for a batch padded
 to a captured size (1, 2, 4, 8, 16, 32, 64, then multiples of 64) is captured once, reading fixed
 device buffers; each step writes its metadata into pinned memory, which the graph's first kernel
-reads into them (:mod:`.static_inputs`), refills the plan's buffers with ``plan.update`` and replays. Padding rows have length 0 (attention gives 0),
-slot -1 (nothing is written) and token 0; their logits are dropped.
+reads into them (:mod:`.static_inputs`), refills the plan's buffers with ``plan.update`` and
+replays. Padding rows have length 0 (attention gives 0), slot -1 (nothing is written) and token 0;
+their logits are dropped.
 
 A graph also draws the step's tokens (``sample``: ``Sampler.sample``, the whole draw on the device)
 from sampling settings and noise keys that come in with the inputs: a decode step calls no sampler
