@@ -1,9 +1,9 @@
 """Host time of the engine's steady decode step without the model: n samples of one prompt decoding,
-each step ``Scheduler.schedule``, the decode graph's input copy (``StaticInputs.fill``), the cascade
+each step ``Scheduler.schedule``, the decode graph's inputs written (``StaticInputs.fill``), the cascade
 plan carried over into its arena (``CascadeGraphs._plan``) and ``Scheduler.postprocess`` - the host
 work that must stay under a step's GPU time for the GPU never to wait (docs/benchmarks.md). On the
-CPU the "device" buffers are host memory (the inputs' copy is a memcpy); ``--device cuda`` times the
-real pinned copies on a GPU machine's host.
+CPU the "device" buffers are host memory; ``--device cuda`` times the writes into pinned memory
+(which a graph's first kernels read) on a GPU machine's host.
 
     python3 benchmarks/bench_host_step.py [--quick] [--device cpu|cuda (default: cuda where there is one)]
                                           [--steps 200] [--out R.json]
