@@ -69,7 +69,7 @@ class CompiledForward:
     graphs), put back end to end before a call where a parameter was re-pointed since."""
 
     def __init__(self, model: torch.nn.Module, layers: torch.nn.ModuleList, backend="inductor"):
-        self.model, self.layers = model, layers
+        self.model = model
         self.modules = [*layers, *decoder_parts(model)]  # what runs compiled: the layers, the decoder's parts
         self.projections = rehome(layers)
         backend = fusing(backend)  # (one callable for every layer: Dynamo recompiles for another backend)

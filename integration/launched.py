@@ -34,7 +34,8 @@ class Launched:
     @classmethod
     def start(cls, batch, kind: str, sampled: Sampled, t0: float, t_issued: float, captured: bool,
               events) -> "Launched":
-        """Queues the copies of ``sampled`` to the host behind the step's kernels."""
+        """Queues the copies of ``sampled`` to the host behind the step's kernels (none where its graph
+        wrote them into pinned memory: an event behind it)."""
         packed = sampled.packed  # [S, 2] (a graph's draw packs them itself, into pinned memory on a GPU)
         if packed is None:
             packed = torch.stack([sampled.tokens.double(), sampled.logprobs.double()], dim=1)

@@ -62,7 +62,6 @@ class StaticInputs:
             at += a.nbytes
         self._src, self._dst = self.pinned.view(torch.int32), self.buffer.view(torch.int32)
         self._rows = self._cols = 0  # the table's rows and columns that may hold block ids
-        self.half = 0  # the half of ``drawn`` the last fill's graph writes
         self.drawn = torch.zeros(2, size, 2, dtype=torch.float64, pin_memory=cuda)
         self.consumed = torch.cuda.Event(external=True) if cuda else None
 
@@ -96,8 +95,7 @@ class StaticInputs:
         for name, pad in self.PAD.items():
             h[name][:b] = pad if st is None else keys if name == "keys" else getattr(st, name)
             h[name][b:] = pad
-        self.half ^= 1
-        h["cols"][0], h["parity"][0] = c, self.half
+        h["cols"][0], h["parity"][0] = c, 1 - h["parity"][0]
         self._write_parts()
         at = self._at["table"]
         self._pinned[at:at + 4 * self.size * c].view(np.int32).reshape(self.size, c)[...] = t[:, :c]
@@ -106,6 +104,11 @@ class StaticInputs:
         self.ids.copy_(self.pinned[:self.ids.nbytes].view(torch.int64).view(1, -1), non_blocking=True)
         if ids is not None:
             self.ids[0, :b].copy_(ids)
+
+    @property
+    def half(self) -> int:
+        """The half of ``drawn`` the last fill's graph writes."""
+        return int(self.host["parity"][0])
 
     def copy_in(self) -> None:
         """The last fill's values (the input ids aside) into the device buffer: a graph's first step."""

@@ -133,7 +133,7 @@ class CascadeArena:
         else:
             if self.consumed is not None:
                 self.consumed.synchronize()  # (the last graph has read the last send)
-            self.pinned.copy_(src)
+            self.pinned.copy_(src)  # (not staged in place: a plan keeps its staging's views, a later one reads them)
         key = tuple(sizes.items())
         if key != self._views[0]:
             self._views = key, {name: self.buffer[self.offsets[name]:self.offsets[name] + n] for name, n in key}
