@@ -184,14 +184,13 @@ def attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it,
 
 
 @gluon.jit
-def alloc_rings(k_desc, v_desc, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Shared memory of a program: Q tiles (one per consumer), the K and V rings and their
-    barriers. -> (q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty)."""
-    dtype: gl.constexpr = k_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, D], gl.NVMMASharedLayout.get_default_for([ROWS, D],
-                                                                                                      dtype))
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+def alloc_ring(k_desc, v_desc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS_: gl.constexpr):
+    """The K and V rings of a program (the caches' dtype and tile layouts) and their barriers, a stage
+    released once each of ``CONSUMERS_`` warpgroups has read it.
+    -> (k_smem, v_smem, k_ready, v_ready, k_empty, v_empty)."""
+    D: gl.constexpr = k_desc.block_type.shape[1]
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -199,8 +198,20 @@ def alloc_rings(k_desc, v_desc, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: 
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=CONSUMERS)  # every consumer releases a stage
-        mbarrier.init(v_empty.index(s), count=CONSUMERS)
+        mbarrier.init(k_empty.index(s), count=CONSUMERS_)
+        mbarrier.init(v_empty.index(s), count=CONSUMERS_)
+    return k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
+
+
+@gluon.jit
+def alloc_rings(k_desc, v_desc, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Shared memory of a program: Q tiles (one per consumer), the K and V rings and their
+    barriers (:func:`alloc_ring`: every consumer releases a stage).
+    -> (q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty)."""
+    dtype: gl.constexpr = k_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, D], gl.NVMMASharedLayout.get_default_for([ROWS, D],
+                                                                                                      dtype))
+    k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_ring(k_desc, v_desc, BLOCK_N, STAGES, CONSUMERS)
     return q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
 
 

@@ -17,7 +17,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from paged_backend.kernels.attend import (LOG2E, add_sink, attend_paged_range, dequantized, fast_tanh, fp8_mma_f16,
                                           mma_operand, sink_states, soft_cap)
-from paged_backend.kernels.dispatch import num_sms, use_pdl
+from paged_backend.kernels.dispatch import num_sms, use_pdl, use_sm90
 from paged_backend.kernels.launch import Relaunch, launch, pow2, replay_stream
 
 
@@ -279,8 +279,9 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
     pdl = use_pdl(q.device)
     # The plan's launches for this call signature: after the first call, each layer and step
     # calls the two launchers directly (an eager call is host-bound for small batches).
+    # (the cache's blocks: the Hopper fp8 kernel's TMA descriptors bound them)
     key, ptrs = call_key((q, k_cache, v_cache, block_table, seq_lens, out, lse), scale, softcap, pdl,
-                         block_table.shape[1], plan.whole, sinks is not None and sinks.data_ptr(),
+                         block_table.shape[1], k_cache.shape[0], plan.whole, sinks is not None and sinks.data_ptr(),
                          *(s is not None and s.data_ptr() for s in scales))
     relaunches = plan.launches.get(key)
     if relaunches is not None:
@@ -290,18 +291,32 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
             decode(stream, *ptrs)
             fold(stream, *ptrs[5:])
             return
-    tile_n, stages = plan.kernel_tile
-    if k_cache.element_size() == 1:  # fp8: twice the tokens a tile (the same bytes), 3 stages (H100 sweep)
-        tile_n, stages = 2 * plan.block_n, 3
-    decode = run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan.partial_o, plan.partial_lse,
-                        plan.work, plan.prog_ptr, plan.num_programs, tile_n, scale, pdl, num_stages=stages,
-                        softcap=softcap, sinks=sinks, window=plan.window or 0, scales=scales)
+    view = _fp8_sm90_view(q, k_cache, v_cache, plan, softcap, sinks)
+    if view is not None:
+        from paged_backend.kernels.decode_sm90 import decode_fp8_sm90
+        decode = decode_fp8_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scale, scales, view,
+                                 pdl)
+    else:
+        tile_n, stages = plan.kernel_tile
+        if k_cache.element_size() == 1:  # fp8: twice the tokens a tile (the same bytes), 3 stages (H100 sweep)
+            tile_n, stages = 2 * plan.block_n, 3
+        decode = run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan.partial_o, plan.partial_lse,
+                            plan.work, plan.prog_ptr, plan.num_programs, tile_n, scale, pdl, num_stages=stages,
+                            softcap=softcap, sinks=sinks, window=plan.window or 0, scales=scales)
     # A segment of one piece wrote out/lse itself; split segments are folded in piece order. A
     # stream-K run of G programs over S segments gives each at most ~G/S + 2 pieces.
     segments = q.shape[0] * k_cache.shape[2]
     fold = fold_states(plan.seg_ptr, plan.partial_o, plan.partial_lse, out, lse, k_cache.shape[2], pdl,
                        skip_single=True, max_len=-(-plan.num_programs // segments) + 2, sinks=sinks)
     remember(plan.launches, key, (decode, fold))
+
+
+def _fp8_sm90_view(q, k_cache, v_cache, plan, softcap: float, sinks):
+    """The caches' TMA view where the Hopper kernel over fp8 (kernels/decode_sm90.py) runs the call, else None."""
+    if k_cache.element_size() != 1 or not use_sm90(q.device):
+        return None
+    from paged_backend.kernels.decode_sm90 import covered
+    return covered(q, k_cache, v_cache, plan, softcap, sinks)
 
 
 def decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float, out, lse, softcap: float = 0.0,

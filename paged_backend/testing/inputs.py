@@ -128,7 +128,9 @@ def pad_table(block_table, seq_lens, block_size: int, pad_block: int):
 def poison_outside(k_cache, v_cache, block_table, seq_lens, value: float, which: str = "kv"):
     """Writes ``value`` (NaN, +-inf) into every cache slot that no request's tokens ``[0, seq_len)``
     occupy: unused rows of last blocks, blocks only padding entries point to, unused blocks.
-    ``which``: "k", "v" or "kv". In place; returns the caches."""
+    ``which``: "k", "v" or "kv". In place; returns the caches. An fp8 cache gets ``value`` in its
+    format (float8_e4m3fn has no infinities: they become NaN), written through its bytes (torch
+    fills no fp8 tensor)."""
     nb, bs = k_cache.shape[:2]
     live = torch.zeros(nb * bs, dtype=torch.bool)
     bt = block_table.long().cpu()
@@ -138,7 +140,10 @@ def poison_outside(k_cache, v_cache, block_table, seq_lens, value: float, which:
     dead = (~live).view(nb, bs).to(k_cache.device)
     for name, cache in (("k", k_cache), ("v", v_cache)):
         if name in which:
-            cache[dead] = value
+            if cache.element_size() == 1:
+                cache.view(torch.uint8)[dead] = torch.tensor(value).to(cache.dtype).view(torch.uint8).item()
+            else:
+                cache[dead] = value
     return k_cache, v_cache
 
 

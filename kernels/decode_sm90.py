@@ -1,0 +1,262 @@
+"""Paged decode over an fp8 cache for Hopper (sm_90): the decode plan's pieces (kernels/decode.py
+``_decode_kernel``'s work rows and partial slots, so the fold runs unchanged) with TMA page loads of
+the fp8 K/V and wgmma on fp16 operands converted from them.
+
+Why: the portable kernel over fp8 is bound by instructions, not bytes (H200, 2026-11-28: B8x32K
+222.9 us, 57% of copy bandwidth, the same time as on an H100): per tile it computes every key's
+address, converts each value in the GEMMs' register layout, and reads V byte by byte (its layout as
+the GEMM's B operand runs along keys, the cache's along the head dimension).
+
+Here a loader warp streams K/V tiles of ``BLOCK_N`` keys, one TMA box per page (kernels/attend_sm90.py
+``load_range``: no per-key addresses), and one consumer warpgroup runs both GEMMs "swapped", with
+the keys as wgmma's M (fp8 -> fp16 is exact; one conversion per two values):
+
+- ``S^T [BLOCK_N, NQ] = K [BLOCK_N, D] @ Q^T [D, NQ]``: the group's ``GROUP`` query heads (padded to
+  ``NQ`` >= 8, wgmma's smallest N) are the columns, so a group of 4 does not pay for 64 rows. K goes
+  from its fp8 tile straight into wgmma's A registers (its rows run along D, as A's do), converted there;
+- ``O^T [D, NQ] += V^T [D, BLOCK_N] @ P^T [BLOCK_N, NQ]``: V converted into an fp16 tile in shared
+  memory (16 bytes a thread a load; A read transposed from there, as 16-bit operands may be) while
+  the scores' GEMM runs, P^T through a small shared tile.
+
+The softmax runs down the columns of ``S^T`` (a maximum across the warpgroup's warps per tile); the
+row sums are kept per element and reduced once at the piece's end. Queries are fp16 as the portable
+kernel takes them over fp8 (``attend.mma_operand``: bf16 saturated to fp16's range), the
+probabilities round to fp16, the scales fold into the scores' scale and the output. Two programs
+share an SM (the plan's ``PROGRAMS_PER_SM``), each one consumer warpgroup and one loader warp.
+
+H200, 2026-11-29 (``benchmarks/results/sweeps/decode_fp8_sm90_h200.log``): B8x32K 221.8 us (portable)
+-> 159.8 us eager, 149.0 us in a graph (80%, 86% of copy bandwidth). Not kept: K through an fp16
+tile too (200.5 us); P V left in flight across the next tile's scores (ptxas serialized the
+wgmmas, C7514: 191.8 us); the loader reading a tile's page ids at once and the next tile's ahead
+(no change); 3 stages instead of 4 (no change).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from paged_backend.kernels.attend_sm90 import alloc_ring, io_layout, load_range, page_view
+from paged_backend.kernels.dispatch import sm90_shape
+from paged_backend.kernels.launch import DescriptorRelaunch, launch
+
+# (keys a K/V tile, ring stages); PAGED_BACKEND_DECODE_FP8_TILE=KEYSxSTAGES sets them (a sweep)
+TILE = tuple(int(x) for x in os.environ.get("PAGED_BACKEND_DECODE_FP8_TILE", "64x4").split("x"))
+
+
+@gluon.constexpr_function
+def _swapped_layout(nq):
+    """The accumulator layout of a wgmma with ``nq`` columns (query heads) on one warpgroup."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, nq, 16])
+
+
+@gluon.constexpr_function
+def _fp8_rows(d):
+    """Rows of fp8 values, 16 bytes a thread, over one warpgroup (a tile's conversion)."""
+    return gl.BlockedLayout([1, 16], [32 // (d // 16), d // 16], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _to_f16(src, dst, n0, hi, ZERO: gl.constexpr):
+    """An fp8 tile ``src [BLOCK_N, D]`` of keys ``n0 ..`` -> fp16 ``dst``; ``ZERO``: keys at or past
+    ``hi`` become zeros (the last page's slots past a sequence may hold anything, NaN x 0 is NaN)."""
+    x = src.load(_fp8_rows(src.shape[1])).to(gl.float16)
+    if ZERO:
+        keys = n0 + gl.arange(0, src.shape[0], layout=gl.SliceLayout(1, _fp8_rows(src.shape[1])))
+        x = gl.where(keys[:, None] < hi, x, gl.zeros_like(x))
+    dst.store(x)
+    fence_async_shared()
+
+
+@gluon.jit
+def _attend(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles, n_full, n0,
+            hi, qk_scale, D: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The warpgroup's query heads over ``n_tiles >= 1`` ring tiles ``it ..`` of keys ``n0 ..``; tiles
+    from ``n_full`` on are masked at ``hi``. -> (acc [D, NQ] fp32, m [NQ], l [NQ]) in the exp2 domain."""
+    s_layout: gl.constexpr = _swapped_layout(NQ)
+    m_i = gl.full([NQ], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
+    l_acc = gl.zeros([BLOCK_N, NQ], gl.float32, layout=s_layout)  # summed over keys once, at the end
+    acc = gl.zeros([D, NQ], gl.float32, layout=s_layout)
+    zero_s = gl.zeros([BLOCK_N, NQ], gl.float32, layout=s_layout)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    for j in range(n_tiles):
+        s = (it + j) % STAGES
+        phase = ((it + j) // STAGES) & 1
+        masked = j >= n_full
+        mbarrier.wait(k_ready.index(s), phase)
+        k = k_smem.index(s).load(a_layout).to(gl.float16)  # wgmma's A from registers: no fp16 copy of K
+        mbarrier.arrive(k_empty.index(s), count=1)
+        s_tok = warpgroup_mma(k, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(s), phase)  # V's conversion runs beside the scores' GEMM
+        if masked:
+            _to_f16(v_smem.index(s), v16, n0 + j * BLOCK_N, hi, True)
+        else:
+            _to_f16(v_smem.index(s), v16, n0, hi, False)
+        mbarrier.arrive(v_empty.index(s), count=1)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        if masked:
+            keys = n0 + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+            sc = gl.where(keys[:, None] < hi, sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, 0) * qk_scale)  # qk_scale > 0: the max commutes with it
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exponentiate against 0
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(sc * qk_scale - m_use[None, :])
+        l_acc = l_acc * alpha[None, :] + p
+        m_i = m_new
+        p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
+        fence_async_shared()
+        acc = warpgroup_mma(v16.permute((1, 0)), p_smem.permute((1, 0)), acc * alpha[None, :])
+    return acc, m_i, gl.sum(l_acc, 0)
+
+
+@gluon.jit
+def _piece(pieces, p):
+    """Piece ``p`` of the plan -> (request, kv_head, token_start, token_end, slot): its end bounded by the
+    request's device length and the table's capacity, as the portable kernel bounds it (a plan made
+    from upper bounds stays exact; no page id past the table is read)."""
+    work_ptr, _, seq_lens_ptr, stride_sl, max_tokens = pieces
+    w = work_ptr + p * 5  # (request, kv_head, token_start, token_end, slot)
+    b = gl.load(w).to(gl.int64)
+    end = gl.minimum(gl.minimum(gl.load(w + 3), max_tokens), gl.load(seq_lens_ptr + b * stride_sl))
+    return b, gl.load(w + 1), gl.load(w + 2), end, gl.load(w + 4)
+
+
+@gluon.jit
+def _consumer(rows, pieces, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr):
+    """One warpgroup: every piece of this program, in order, into ``out``/``lse`` or its partial slot."""
+    (q_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sm_scale, stride_qb, stride_qh, stride_ob, stride_oh,
+     stride_lb, stride_lh, stride_pop, stride_poh, stride_plp, stride_plh) = rows
+    prog_ptr = pieces[1]
+    q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty = smem
+    s_layout: gl.constexpr = _swapped_layout(NQ)
+    qk_scale = sm_scale * 1.4426950408889634 * gl.load(ks_ptr)  # exp2 domain, k's scale folded in
+    v_scale = gl.load(vs_ptr)
+    h_io = gl.arange(0, NQ, layout=gl.SliceLayout(1, io_layout()))
+    d_io = gl.arange(0, D, layout=gl.SliceLayout(0, io_layout()))
+    h = gl.arange(0, NQ, layout=gl.SliceLayout(0, s_layout))
+    d = gl.arange(0, D, layout=gl.SliceLayout(1, s_layout))
+    g = gl.program_id(0)
+    it = gl.to_tensor(0)
+    for p in range(gl.load(prog_ptr + g), gl.load(prog_ptr + g + 1)):
+        b, kvh, start, end, slot = _piece(pieces, p)
+        q = gl.load(q_ptr + b * stride_qb + (kvh * GROUP + h_io)[:, None] * stride_qh + d_io[None, :],
+                    mask=(h_io < GROUP)[:, None], other=0.0)
+        q_smem.store(gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16))
+        fence_async_shared()
+        n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 1)
+        acc, m_i, l_i = _attend(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, it,
+                                n_tiles, (end - start) // BLOCK_N, start, end, qk_scale, D, NQ, BLOCK_N, STAGES)
+        it += n_tiles
+        empty = l_i == 0.0  # no key: o = 0, lse = -inf
+        o = acc * (v_scale / gl.where(empty, 1.0, l_i))[None, :]
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        ok = h < GROUP
+        if slot < 0:  # the segment's only piece: the output itself
+            qh = (kvh * GROUP + h).to(gl.int64)
+            gl.store(out_ptr + b * stride_ob + qh[None, :] * stride_oh + d[:, None], o.to(out_ptr.dtype.element_ty),
+                     mask=ok[None, :])
+            gl.store(lse_ptr + b * stride_lb + qh * stride_lh, lse, mask=ok)
+        else:
+            at = slot.to(gl.int64)
+            gl.store(po_ptr + at * stride_pop + h[None, :] * stride_poh + d[:, None], o, mask=ok[None, :])
+            gl.store(plse_ptr + at * stride_plp + h * stride_plh, lse, mask=ok)
+
+
+@gluon.jit
+def _loader(k_desc, v_desc, bt_ptr, pieces, smem, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
+            BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr,
+            STAGES: gl.constexpr):
+    """One warp: the K/V tiles of every piece of this program, in order."""
+    k_smem, v_smem = smem[1], smem[2]
+    k_ready, v_ready, k_empty, v_empty = smem[5:]
+    prog_ptr = pieces[1]
+    g = gl.program_id(0)
+    it = gl.to_tensor(0)
+    for p in range(gl.load(prog_ptr + g), gl.load(prog_ptr + g + 1)):
+        b, kvh, start, end, _ = _piece(pieces, p)
+        it = load_range(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it,
+                        gl.maximum(gl.cdiv(end - start, BLOCK_N), 1), bt_ptr + b * stride_btb, stride_btn, start,
+                        end, kvh, kvh * head_cols, page_rows, head_rows, oob_row, BS, BLOCK_N, PAGE_BOX, STAGES)
+
+
+@gluon.jit
+def _decode_fp8_sm90_kernel(
+    q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,  # a call's own arguments first (relaunch)
+    work_ptr, prog_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sm_scale, max_tokens, page_rows, head_rows, head_cols,
+    oob_row, stride_qb, stride_qh, stride_sl, stride_btb, stride_btn, stride_ob, stride_oh, stride_lb, stride_lh,
+    stride_pop, stride_poh, stride_plp, stride_plh,
+    GROUP: gl.constexpr, NQ: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+    PAGE_BOX: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+):
+    if PDL:  # the fold may launch now: it waits for this grid's writes
+        gdc_launch_dependents()
+    f16: gl.constexpr = gl.float16
+    q_smem = gl.allocate_shared_memory(f16, [NQ, D], gl.NVMMASharedLayout.get_default_for([NQ, D], f16))
+    k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_ring(k_desc, v_desc, BLOCK_N, STAGES, 1)
+    v16 = gl.allocate_shared_memory(f16, [BLOCK_N, D], gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], f16))
+    p_smem = gl.allocate_shared_memory(f16, [NQ, BLOCK_N], gl.NVMMASharedLayout.get_default_for([NQ, BLOCK_N], f16))
+    smem = (q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty)
+    rows = (q_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sm_scale, stride_qb, stride_qh, stride_ob,
+            stride_oh, stride_lb, stride_lh, stride_pop, stride_poh, stride_plp, stride_plh)
+    pieces = (work_ptr, prog_ptr, seq_lens_ptr, stride_sl, max_tokens)
+    gl.warp_specialize([
+        (_consumer, (rows, pieces, smem, GROUP, NQ, D, BLOCK_N, STAGES)),
+        (_loader, (k_desc, v_desc, bt_ptr, pieces, smem, stride_btb, stride_btn, page_rows, head_rows, head_cols,
+                   oob_row, BS, BLOCK_N, PAGE_BOX, STAGES)),
+    ], [1], [24])
+
+
+def covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan, softcap: float, sinks):
+    """The TMA view of the caches when this kernel runs the call, else None (the portable kernel
+    does): fp16/bf16 queries over an fp8 cache (either format), head size 64 or 128, pages of 16+
+    tokens (a power of two), a power-of-two group of at most 16 (the accumulators of larger ones spill
+    in the two-programs-an-SM register budget), strides ``page_view`` takes, a
+    plan without a window cut at multiples of the tile, no soft-capping or sinks."""
+    if (q.dtype not in (torch.float16, torch.bfloat16) or k_cache.element_size() != 1 or softcap > 0
+            or sinks is not None or plan.window or plan.block_n % TILE[0] or q.stride(-1) != 1):
+        return None
+    hq, d = q.shape[-2:]
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    if not sm90_shape(d, bs, hq // hkv) or hq // hkv > 16 or bs & (bs - 1):
+        return None
+    views = page_view(k_cache), page_view(v_cache)
+    return views[0] if None not in views and views[0] == views[1] else None
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_layout(block_n: int, d: int, dtype: torch.dtype):
+    """The shared layout of an fp8 ``[block_n, d]`` tile (made once: ~15 us of host time a call otherwise)."""
+    return gl.NVMMASharedLayout.get_default_for([block_n, d], gl.float8e5 if dtype == torch.float8_e5m2
+                                                else gl.float8e4nv)
+
+
+def decode_fp8_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scale: float, scales, view,
+                    pdl: bool):
+    """The plan's pieces over an fp8 cache (``covered`` gave ``view``) into ``out``/``lse`` and the
+    plan's partial slots; ``scales``: the cache's ``(k_scale, v_scale)`` ``[1]`` fp32 tensors. -> a
+    relaunch taking the addresses of (q, k_cache, v_cache, block_table, seq_lens, out, lse), or None."""
+    hq, d = q.shape[1], q.shape[2]
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    block_n, stages = TILE
+    rows, width = view[:2]
+    layout = _tile_layout(block_n, d, k_cache.dtype)
+    box = min(bs, block_n)
+    descs = [TensorDescriptor(c, [rows, width], [c.stride(1), 1], [box, d], layout) for c in (k_cache, v_cache)]
+    po, plse = plan.partial_o, plan.partial_lse
+    bound = launch(
+        _decode_fp8_sm90_kernel, (plan.num_programs,), q, *descs, block_table, seq_lens, out, lse,
+        plan.work, plan.prog_ptr, po, plse, *scales, scale, block_table.shape[1] * bs, *view[2:], view[0],
+        q.stride(0), q.stride(1), seq_lens.stride(0), *block_table.stride(), out.stride(0), out.stride(1),
+        *lse.stride(), po.stride(0), po.stride(1), *plse.stride(),
+        GROUP=group, NQ=max(8, group), BS=bs, D=d, BLOCK_N=block_n, PAGE_BOX=box, STAGES=stages, PDL=pdl,
+        num_warps=4, maxnreg=128)
+    return bound and DescriptorRelaunch(bound, 7)
