@@ -258,5 +258,5 @@ def decode_fp8_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, 
         q.stride(0), q.stride(1), seq_lens.stride(0), *block_table.stride(), out.stride(0), out.stride(1),
         *lse.stride(), po.stride(0), po.stride(1), *plse.stride(),
         GROUP=group, NQ=max(8, group), BS=bs, D=d, BLOCK_N=block_n, PAGE_BOX=box, STAGES=stages, PDL=pdl,
-        num_warps=4, maxnreg=128)
+        num_warps=4, maxnreg=128)  # two programs an SM: 2 x 8 warps (the loader pads a warpgroup) x 128
     return bound and DescriptorRelaunch(bound, 7)
