@@ -188,14 +188,15 @@ def test_tests_use_the_package():
 
 
 def test_assert_close_state_rules():
-    o = torch.randn(3, 4, 8, dtype=torch.float64)
+    # seeded: unseeded, no entry of o exceeded 2 in about one run in nine and the NaN case had no NaN
+    o = torch.randn(3, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     lse = torch.tensor([[0.5] * 4, [float("-inf")] * 4, [1.0] * 4], dtype=torch.float64)
     pt.assert_close_state(o.float(), lse.float(), o, lse, torch.float32)
     for out, ls, why in ((o * 1.01, lse, "rel err"), (o, lse + 0.01, "lse abs err"),
                          (o, torch.where(torch.isinf(lse), 0.0, lse),
                           r"-inf pattern differs: 4 entries without keys have a finite lse \(e.g. 0\)"),
                          (o, lse.masked_fill(lse > 0.7, float("-inf")), "4 entries with keys have lse -inf"),
-                         (o.masked_fill(o > 2, float("nan")), lse, "NaN"),
+                         (o.masked_fill(o > 1, float("nan")), lse, "NaN"),
                          (o, lse.masked_fill(lse > 0.7, float("nan")), "NaN")):
         with pytest.raises(AssertionError, match=why):
             pt.assert_close_state(out.float(), ls.float(), o, lse, torch.float32)
