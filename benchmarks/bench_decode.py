@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from unittest import mock
 
 import numpy as np
 import torch
@@ -29,7 +30,8 @@ K = 1024
 BENCH = "decode"
 OURS = ("ours_sk", "ours_portable", "ours_split", "ours_noplan")
 IMPLS = OURS + tuple(PEERS)
-GRAPHED = ("ours_sk", "ours_portable", "flashinfer", "sdpa", "xformers")  # also timed as CUDA-graph replays: "<name>@graph"
+# also timed as CUDA-graph replays: "<name>@graph"
+GRAPHED = ("ours_sk", "ours_portable", "flashinfer", "sdpa", "xformers")
 REL_TOL, LSE_TOL, PEER_LSE_TOL = 1e-2, 1e-3, 1e-2
 
 # name -> (lengths, Hq, Hkv); workload of record first, then the stream-K issue's cases
@@ -75,12 +77,8 @@ def ours_impl(inp: C.PagedInputs, kind: str) -> Impl:
     fns = [lambda q=q, k=k, v=v: pb.paged_decode(q, k, v, bt, sl, plan=plan, window=inp.window)
            for q, k, v in inp.sets]
     if kind == "ours_portable":  # the stream-K plan on the portable kernels: its launches bound with the
-        old = os.environ.get("PAGED_BACKEND_SM90")  # Hopper kernels off (the plan keeps them)
-        os.environ["PAGED_BACKEND_SM90"] = "0"
-        try:
+        with mock.patch.dict(os.environ, PAGED_BACKEND_SM90="0"):  # Hopper kernels off (the plan keeps them)
             fns[0]()
-        finally:
-            os.environ.pop("PAGED_BACKEND_SM90") if old is None else os.environ.update(PAGED_BACKEND_SM90=old)
     note = "" if plan is None else f"G={plan.num_programs} pieces={plan.num_pieces}"
     return Impl(fns, fns[0], note)
 

@@ -260,11 +260,13 @@ def page_view(cache: torch.Tensor):
     return rows, width, page_rows, head_rows, head_cols
 
 
-def covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+def covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fp8: bool = False):
     """The TMA views of ``(k_cache, v_cache)`` when the sm_90 kernels cover these inputs, else None:
-    fp16/bf16 queries over a cache of the same dtype, head size 64 or 128, pages of 16+ tokens (a
-    power of two), query heads per KV head a power of two up to 64, strides :func:`page_view` takes."""
-    if q.dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    fp16/bf16 queries over a cache of the same dtype (``fp8``: over an fp8 cache, either format), head
+    size 64 or 128, pages of 16+ tokens (a power of two), query heads per KV head a power of two up
+    to 64, strides :func:`page_view` takes."""
+    cache_ok = k_cache.element_size() == 1 if fp8 else k_cache.dtype == q.dtype
+    if q.dtype not in (torch.float16, torch.bfloat16) or not cache_ok or v_cache.dtype != k_cache.dtype:
         return None
     hq, d = q.shape[-2:]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -281,11 +283,16 @@ def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, view, box: int, bl
     ``[block_n, D]`` shared tiles."""
     rows, width = view[:2]
     d = k_cache.shape[-1]
-    layout = _tile_layout(block_n, d, k_cache.dtype == torch.float16)
+    layout = _tile_layout(block_n, d, k_cache.dtype)
     return [TensorDescriptor(c, [rows, width], [c.stride(1), 1], [box, d], layout) for c in (k_cache, v_cache)]
 
 
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv,
+              torch.float8_e5m2: gl.float8e5}
+
+
 @functools.lru_cache(maxsize=None)
-def _tile_layout(block_n: int, d: int, f16: bool):
-    """The shared layout of a ``[block_n, d]`` tile (made once: ~15 us of host time a call otherwise)."""
-    return gl.NVMMASharedLayout.get_default_for([block_n, d], gl.float16 if f16 else gl.bfloat16)
+def _tile_layout(block_n: int, d: int, dtype: torch.dtype):
+    """The shared layout of a ``[block_n, d]`` tile of a cache's dtype (made once: ~15 us of host time a
+    call otherwise)."""
+    return gl.NVMMASharedLayout.get_default_for([block_n, d], _GL_DTYPES[dtype])

@@ -32,7 +32,6 @@ wgmmas, C7514: 191.8 us); the loader reading a tile's page ids at once and the n
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -40,11 +39,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from paged_backend.kernels.attend_sm90 import alloc_ring, io_layout, load_range, page_view
-from paged_backend.kernels.dispatch import sm90_shape
+from paged_backend.kernels.attend_sm90 import alloc_ring, descriptors, io_layout, load_range
+from paged_backend.kernels.attend_sm90 import covered as covered_sm90  # (this module's covered adds the plan's terms)
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
 
 # (keys a K/V tile, ring stages); PAGED_BACKEND_DECODE_FP8_TILE=KEYSxSTAGES sets them (a sweep)
@@ -216,26 +214,14 @@ def _decode_fp8_sm90_kernel(
 
 def covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan, softcap: float, sinks):
     """The TMA view of the caches when this kernel runs the call, else None (the portable kernel
-    does): fp16/bf16 queries over an fp8 cache (either format), head size 64 or 128, pages of 16+
-    tokens (a power of two), a power-of-two group of at most 16 (the accumulators of larger ones spill
-    in the two-programs-an-SM register budget), strides ``page_view`` takes, a
-    plan without a window cut at multiples of the tile, no soft-capping or sinks."""
-    if (q.dtype not in (torch.float16, torch.bfloat16) or k_cache.element_size() != 1 or softcap > 0
-            or sinks is not None or plan.window or plan.block_n % TILE[0] or q.stride(-1) != 1):
+    does): what ``attend_sm90.covered`` takes over an fp8 cache, with a group of at most 16 (the
+    accumulators of larger ones spill in the two-programs-an-SM register budget), a plan without a
+    window cut at multiples of the tile, no soft-capping or sinks."""
+    if softcap > 0 or sinks is not None or plan.window or plan.block_n % TILE[0]:
         return None
-    hq, d = q.shape[-2:]
-    bs, hkv = k_cache.shape[1], k_cache.shape[2]
-    if not sm90_shape(d, bs, hq // hkv) or hq // hkv > 16 or bs & (bs - 1):
+    if q.shape[-2] // k_cache.shape[2] > 16:
         return None
-    views = page_view(k_cache), page_view(v_cache)
-    return views[0] if None not in views and views[0] == views[1] else None
-
-
-@functools.lru_cache(maxsize=None)
-def _tile_layout(block_n: int, d: int, dtype: torch.dtype):
-    """The shared layout of an fp8 ``[block_n, d]`` tile (made once: ~15 us of host time a call otherwise)."""
-    return gl.NVMMASharedLayout.get_default_for([block_n, d], gl.float8e5 if dtype == torch.float8_e5m2
-                                                else gl.float8e4nv)
+    return covered_sm90(q, k_cache, v_cache, fp8=True)
 
 
 def decode_fp8_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scale: float, scales, view,
@@ -247,13 +233,11 @@ def decode_fp8_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, 
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     block_n, stages = TILE
-    rows, width = view[:2]
-    layout = _tile_layout(block_n, d, k_cache.dtype)
     box = min(bs, block_n)
-    descs = [TensorDescriptor(c, [rows, width], [c.stride(1), 1], [box, d], layout) for c in (k_cache, v_cache)]
     po, plse = plan.partial_o, plan.partial_lse
     bound = launch(
-        _decode_fp8_sm90_kernel, (plan.num_programs,), q, *descs, block_table, seq_lens, out, lse,
+        _decode_fp8_sm90_kernel, (plan.num_programs,), q, *descriptors(k_cache, v_cache, view, box, block_n),
+        block_table, seq_lens, out, lse,
         plan.work, plan.prog_ptr, po, plse, *scales, scale, block_table.shape[1] * bs, *view[2:], view[0],
         q.stride(0), q.stride(1), seq_lens.stride(0), *block_table.stride(), out.stride(0), out.stride(1),
         *lse.stride(), po.stride(0), po.stride(1), *plse.stride(),
