@@ -183,6 +183,102 @@ def attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it,
     return acc, m_i, l_i
 
 
+@gluon.constexpr_function
+def swapped_layout(nq):
+    """The accumulator layout of a wgmma with ``nq`` columns (query heads) on one warpgroup."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, nq, 16])
+
+
+@gluon.constexpr_function
+def _tile_rows(d, nbytes):
+    """Rows of ``d`` values of ``nbytes`` bytes, 16 bytes a thread, over one warpgroup."""
+    return gl.BlockedLayout([1, 16 // nbytes], [32 // (d * nbytes // 16), d * nbytes // 16], [4, 1], [1, 0])
+
+
+@gluon.jit
+def copy_tile(src, dst, n0, hi, ZERO: gl.constexpr):
+    """A V tile ``src [BLOCK_N, D]`` of keys ``n0 ..`` -> ``dst`` in its dtype (fp8 -> fp16; or in place);
+    ``ZERO``: keys at or past ``hi`` become zeros (the last page's slots past a sequence may hold
+    anything, NaN x 0 is NaN)."""
+    layout: gl.constexpr = _tile_rows(src.shape[1], src.dtype.primitive_bitwidth // 8)
+    x = src.load(layout).to(dst.dtype)
+    if ZERO:
+        keys = n0 + gl.arange(0, src.shape[0], layout=gl.SliceLayout(1, layout))
+        x = gl.where(keys[:, None] < hi, x, gl.zeros_like(x))
+    dst.store(x)
+    fence_async_shared()
+
+
+@gluon.jit
+def attend_swapped(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles, n_full, n0,
+                   hi, qk_scale, D: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Decode-shaped attention, "swapped" (kernels/decode_sm90.py): the warpgroup's ``NQ`` query heads
+    (``q_smem [NQ, D]``, wgmma's N) over ``n_tiles >= 1`` ring tiles ``it ..`` of keys ``n0 ..`` (wgmma's
+    M), ``S^T = K Q^T`` and ``O^T += V^T P^T`` (``p_smem [NQ, BLOCK_N]``); tiles from ``n_full`` on are
+    masked at ``hi``; the warpgroup releases each stage it reads (one arrival).
+    -> (acc [D, NQ] fp32, m [NQ], l [NQ]) in the exp2 domain.
+    An fp8 cache's K is converted in registers and its V into ``v16``; a 16-bit cache's tiles are
+    the GEMMs' operands as they are (a masked tile's V rows past ``hi`` zeroed in place)."""
+    F8: gl.constexpr = k_smem.dtype.is_fp8()
+    s_layout: gl.constexpr = swapped_layout(NQ)
+    m_i = gl.full([NQ], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
+    l_acc = gl.zeros([BLOCK_N, NQ], gl.float32, layout=s_layout)  # summed over keys once, at the end
+    acc = gl.zeros([D, NQ], gl.float32, layout=s_layout)
+    zero_s = gl.zeros([BLOCK_N, NQ], gl.float32, layout=s_layout)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    for j in range(n_tiles):
+        s = (it + j) % STAGES
+        phase = ((it + j) // STAGES) & 1
+        masked = j >= n_full
+        mbarrier.wait(k_ready.index(s), phase)
+        if F8:
+            k = k_smem.index(s).load(a_layout).to(gl.float16)  # wgmma's A from registers: no fp16 copy of K
+            mbarrier.arrive(k_empty.index(s), count=1)
+            s_tok = warpgroup_mma(k, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        else:
+            s_tok = warpgroup_mma(k_smem.index(s), q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(s), phase)  # V's conversion runs beside the scores' GEMM
+        if F8:
+            v_tile = v16
+            if masked:
+                copy_tile(v_smem.index(s), v16, n0 + j * BLOCK_N, hi, True)
+            else:
+                copy_tile(v_smem.index(s), v16, n0, hi, False)
+            mbarrier.arrive(v_empty.index(s), count=1)
+        else:
+            v_tile = v_smem.index(s)
+            if masked:
+                copy_tile(v_tile, v_tile, n0 + j * BLOCK_N, hi, True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        if not F8:
+            mbarrier.arrive(k_empty.index(s), count=1)
+        if masked:
+            keys = n0 + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+            sc = gl.where(keys[:, None] < hi, sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, 0) * qk_scale)  # qk_scale > 0: the max commutes with it
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exponentiate against 0
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(sc * qk_scale - m_use[None, :])
+        l_acc = l_acc * alpha[None, :] + p
+        m_i = m_new
+        p_smem.store(gl.permute(p.to(p_smem.dtype), (1, 0)))
+        fence_async_shared()
+        acc = warpgroup_mma(v_tile.permute((1, 0)), p_smem.permute((1, 0)), acc * alpha[None, :])
+        if not F8:
+            mbarrier.arrive(v_empty.index(s), count=1)
+    return acc, m_i, gl.sum(l_acc, 0)
+
+
+@gluon.jit
+def finish_swapped(acc, m_i, l_i, v_scale):
+    """:func:`attend_swapped`'s (acc [D, NQ], m, l) in the exp2 domain -> (o [D, NQ] fp32 times
+    ``v_scale``, lse [NQ] natural log); heads that saw no key give o = 0, lse = -inf."""
+    empty = l_i == 0.0
+    o = acc * (v_scale / gl.where(empty, 1.0, l_i))[None, :]
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    return o, lse
+
+
 @gluon.jit
 def alloc_ring(k_desc, v_desc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS_: gl.constexpr):
     """The K and V rings of a program (the caches' dtype and tile layouts) and their barriers, a stage

@@ -279,7 +279,7 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
     pdl = use_pdl(q.device)
     # The plan's launches for this call signature: after the first call, each layer and step
     # calls the two launchers directly (an eager call is host-bound for small batches).
-    # (the cache's blocks: the Hopper fp8 kernel's TMA descriptors bound them)
+    # (the cache's blocks: the Hopper kernel's TMA descriptors bound them)
     key, ptrs = call_key((q, k_cache, v_cache, block_table, seq_lens, out, lse), scale, softcap, pdl,
                          block_table.shape[1], k_cache.shape[0], plan.whole, sinks is not None and sinks.data_ptr(),
                          *(s is not None and s.data_ptr() for s in scales))
@@ -291,11 +291,10 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
             decode(stream, *ptrs)
             fold(stream, *ptrs[5:])
             return
-    view = _fp8_sm90_view(q, k_cache, v_cache, plan, softcap, sinks)
+    view = _sm90_view(q, k_cache, v_cache, plan, softcap, sinks)
     if view is not None:
-        from paged_backend.kernels.decode_sm90 import decode_fp8_sm90
-        decode = decode_fp8_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scale, scales, view,
-                                 pdl)
+        from paged_backend.kernels.decode_sm90 import decode_sm90
+        decode = decode_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scale, scales, view, pdl)
     else:
         tile_n, stages = plan.kernel_tile
         if k_cache.element_size() == 1:  # fp8: twice the tokens a tile (the same bytes), 3 stages (H100 sweep)
@@ -311,9 +310,9 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
     remember(plan.launches, key, (decode, fold))
 
 
-def _fp8_sm90_view(q, k_cache, v_cache, plan, softcap: float, sinks):
-    """The caches' TMA view where the Hopper kernel over fp8 (kernels/decode_sm90.py) runs the call, else None."""
-    if k_cache.element_size() != 1 or not use_sm90(q.device):
+def _sm90_view(q, k_cache, v_cache, plan, softcap: float, sinks):
+    """The caches' TMA view where the Hopper decode kernel (kernels/decode_sm90.py) runs the call, else None."""
+    if not use_sm90(q.device):
         return None
     from paged_backend.kernels.decode_sm90 import covered
     return covered(q, k_cache, v_cache, plan, softcap, sinks)

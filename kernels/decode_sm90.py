@@ -1,117 +1,61 @@
-"""Paged decode over an fp8 cache for Hopper (sm_90): the decode plan's pieces (kernels/decode.py
-``_decode_kernel``'s work rows and partial slots, so the fold runs unchanged) with TMA page loads of
-the fp8 K/V and wgmma on fp16 operands converted from them.
+"""Paged decode for Hopper (sm_90) over fp8 and 16-bit caches: the decode plan's pieces
+(kernels/decode.py ``_decode_kernel``'s work rows and partial slots, so the fold runs unchanged) with
+TMA page loads and wgmma, the keys as the GEMMs' M.
 
 Why: the portable kernel over fp8 is bound by instructions, not bytes (H200, 2026-11-28: B8x32K
 222.9 us, 57% of copy bandwidth, the same time as on an H100): per tile it computes every key's
 address, converts each value in the GEMMs' register layout, and reads V byte by byte (its layout as
-the GEMM's B operand runs along keys, the cache's along the head dimension).
+the GEMM's B operand runs along keys, the cache's along the head dimension). Over 16-bit caches it
+pads a group of 4 query heads to 16 GEMM rows.
 
 Here a loader warp streams K/V tiles of ``BLOCK_N`` keys, one TMA box per page (kernels/attend_sm90.py
-``load_range``: no per-key addresses), and one consumer warpgroup runs both GEMMs "swapped", with
-the keys as wgmma's M (fp8 -> fp16 is exact; one conversion per two values):
+``load_range``: no per-key addresses), and one consumer warpgroup runs both GEMMs "swapped":
 
 - ``S^T [BLOCK_N, NQ] = K [BLOCK_N, D] @ Q^T [D, NQ]``: the group's ``GROUP`` query heads (padded to
-  ``NQ`` >= 8, wgmma's smallest N) are the columns, so a group of 4 does not pay for 64 rows. K goes
-  from its fp8 tile straight into wgmma's A registers (its rows run along D, as A's do), converted there;
-- ``O^T [D, NQ] += V^T [D, BLOCK_N] @ P^T [BLOCK_N, NQ]``: V converted into an fp16 tile in shared
-  memory (16 bytes a thread a load; A read transposed from there, as 16-bit operands may be) while
-  the scores' GEMM runs, P^T through a small shared tile.
+  ``NQ`` >= 8, wgmma's smallest N) are the columns, so a group of 4 does not pay for 64 rows. An fp8
+  K goes from its tile straight into wgmma's A registers (its rows run along D, as A's do), converted
+  there (fp8 -> fp16 is exact; one conversion per two values); a 16-bit K tile is A as it is;
+- ``O^T [D, NQ] += V^T [D, BLOCK_N] @ P^T [BLOCK_N, NQ]``: V's tile read transposed (as 16-bit
+  operands may be); an fp8 V converted into an fp16 tile first (16 bytes a thread a load), while the
+  scores' GEMM runs; P^T through a small shared tile.
 
 The softmax runs down the columns of ``S^T`` (a maximum across the warpgroup's warps per tile); the
-row sums are kept per element and reduced once at the piece's end. Queries are fp16 as the portable
-kernel takes them over fp8 (``attend.mma_operand``: bf16 saturated to fp16's range), the
-probabilities round to fp16, the scales fold into the scores' scale and the output. Two programs
-share an SM (the plan's ``PROGRAMS_PER_SM``), each one consumer warpgroup and one loader warp.
+row sums are kept per element and reduced once at the piece's end. Over fp8, queries are fp16 as the
+portable kernel takes them (``attend.mma_operand``: bf16 saturated to fp16's range), the
+probabilities round to fp16, the scales fold into the scores' scale and the output; over 16-bit
+caches everything is in the cache's dtype as in the portable kernel. Two programs share an SM (the
+plan's ``PROGRAMS_PER_SM``), each one consumer warpgroup and one loader warp.
 
-H200, 2026-11-29 (``benchmarks/results/sweeps/decode_fp8_sm90_h200.log``): B8x32K 221.8 us (portable)
--> 159.8 us eager, 149.0 us in a graph (80%, 86% of copy bandwidth). Not kept: K through an fp16
-tile too (200.5 us); P V left in flight across the next tile's scores (ptxas serialized the
-wgmmas, C7514: 191.8 us); the loader reading a tile's page ids at once and the next tile's ahead
-(no change); 3 stages instead of 4 (no change).
+H200, 2026-11-29 (``benchmarks/results/sweeps/decode_fp8_sm90_h200.log``, ``decode_sm90_16bit_h200.log``):
+fp8 B8x32K 221.8 us (portable) -> 159.8 us eager, 149.0 us in a graph (80%, 86% of copy bandwidth);
+bf16 in a graph B64x4K 268.7 -> 247.2 us, 256 x 1K 279.0 -> 249.1 us, B1x32K 41.1 -> 39.6 us. Not
+kept: an fp8 K through an fp16 tile too (200.5 us); P V left in flight across the next tile's scores
+(ptxas serialized the wgmmas, C7514: 191.8 us); the loader reading a tile's page ids at once and the
+next tile's ahead (no change); 3 fp8 stages instead of 4 (no change).
 """
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from paged_backend.kernels.attend_sm90 import alloc_ring, descriptors, io_layout, load_range
+from paged_backend.kernels.attend_sm90 import (alloc_ring, attend_swapped, descriptors, finish_swapped, io_layout,
+                                               load_range, swapped_layout)
 from paged_backend.kernels.attend_sm90 import covered as covered_sm90  # (this module's covered adds the plan's terms)
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
 
-# (keys a K/V tile, ring stages); PAGED_BACKEND_DECODE_FP8_TILE=KEYSxSTAGES sets them (a sweep)
-TILE = tuple(int(x) for x in os.environ.get("PAGED_BACKEND_DECODE_FP8_TILE", "64x4").split("x"))
-
-
-@gluon.constexpr_function
-def _swapped_layout(nq):
-    """The accumulator layout of a wgmma with ``nq`` columns (query heads) on one warpgroup."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, nq, 16])
-
-
-@gluon.constexpr_function
-def _fp8_rows(d):
-    """Rows of fp8 values, 16 bytes a thread, over one warpgroup (a tile's conversion)."""
-    return gl.BlockedLayout([1, 16], [32 // (d // 16), d // 16], [4, 1], [1, 0])
-
-
-@gluon.jit
-def _to_f16(src, dst, n0, hi, ZERO: gl.constexpr):
-    """An fp8 tile ``src [BLOCK_N, D]`` of keys ``n0 ..`` -> fp16 ``dst``; ``ZERO``: keys at or past
-    ``hi`` become zeros (the last page's slots past a sequence may hold anything, NaN x 0 is NaN)."""
-    x = src.load(_fp8_rows(src.shape[1])).to(gl.float16)
-    if ZERO:
-        keys = n0 + gl.arange(0, src.shape[0], layout=gl.SliceLayout(1, _fp8_rows(src.shape[1])))
-        x = gl.where(keys[:, None] < hi, x, gl.zeros_like(x))
-    dst.store(x)
-    fence_async_shared()
-
-
-@gluon.jit
-def _attend(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles, n_full, n0,
-            hi, qk_scale, D: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The warpgroup's query heads over ``n_tiles >= 1`` ring tiles ``it ..`` of keys ``n0 ..``; tiles
-    from ``n_full`` on are masked at ``hi``. -> (acc [D, NQ] fp32, m [NQ], l [NQ]) in the exp2 domain."""
-    s_layout: gl.constexpr = _swapped_layout(NQ)
-    m_i = gl.full([NQ], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
-    l_acc = gl.zeros([BLOCK_N, NQ], gl.float32, layout=s_layout)  # summed over keys once, at the end
-    acc = gl.zeros([D, NQ], gl.float32, layout=s_layout)
-    zero_s = gl.zeros([BLOCK_N, NQ], gl.float32, layout=s_layout)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-    for j in range(n_tiles):
-        s = (it + j) % STAGES
-        phase = ((it + j) // STAGES) & 1
-        masked = j >= n_full
-        mbarrier.wait(k_ready.index(s), phase)
-        k = k_smem.index(s).load(a_layout).to(gl.float16)  # wgmma's A from registers: no fp16 copy of K
-        mbarrier.arrive(k_empty.index(s), count=1)
-        s_tok = warpgroup_mma(k, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(s), phase)  # V's conversion runs beside the scores' GEMM
-        if masked:
-            _to_f16(v_smem.index(s), v16, n0 + j * BLOCK_N, hi, True)
-        else:
-            _to_f16(v_smem.index(s), v16, n0, hi, False)
-        mbarrier.arrive(v_empty.index(s), count=1)
-        sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-        if masked:
-            keys = n0 + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-            sc = gl.where(keys[:, None] < hi, sc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, 0) * qk_scale)  # qk_scale > 0: the max commutes with it
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exponentiate against 0
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(sc * qk_scale - m_use[None, :])
-        l_acc = l_acc * alpha[None, :] + p
-        m_i = m_new
-        p_smem.store(gl.permute(p.to(gl.float16), (1, 0)))
-        fence_async_shared()
-        acc = warpgroup_mma(v16.permute((1, 0)), p_smem.permute((1, 0)), acc * alpha[None, :])
-    return acc, m_i, gl.sum(l_acc, 0)
+# (keys a K/V tile, ring stages of an fp8 cache: half as many for 16-bit ones, the same bytes);
+# PAGED_BACKEND_DECODE_SM90_TILE=KEYSxSTAGES sets them (a sweep)
+TILE = tuple(int(x) for x in os.environ.get("PAGED_BACKEND_DECODE_SM90_TILE", "64x4").split("x"))
+# Plans with fewer tiles a program take the portable kernel: their eager calls are bound by the host,
+# where this kernel's launch (TMA descriptors) costs ~7 us more (H200, 2026-11-29: bf16 B1x8K, 3.9
+# tiles a program, 43.6 against 36.0 us eager, 16.4 against 17.0 us in a graph).
+MIN_TILES_PER_PROGRAM = 8
 
 
 @gluon.jit
@@ -134,9 +78,13 @@ def _consumer(rows, pieces, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.c
      stride_lb, stride_lh, stride_pop, stride_poh, stride_plp, stride_plh) = rows
     prog_ptr = pieces[1]
     q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty = smem
-    s_layout: gl.constexpr = _swapped_layout(NQ)
-    qk_scale = sm_scale * 1.4426950408889634 * gl.load(ks_ptr)  # exp2 domain, k's scale folded in
-    v_scale = gl.load(vs_ptr)
+    s_layout: gl.constexpr = swapped_layout(NQ)
+    F8: gl.constexpr = k_smem.dtype.is_fp8()
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+    v_scale = 1.0
+    if F8:  # the cache's scales: k's folds into the scores' scale, v's into the output
+        qk_scale = qk_scale * gl.load(ks_ptr)
+        v_scale = gl.load(vs_ptr)
     h_io = gl.arange(0, NQ, layout=gl.SliceLayout(1, io_layout()))
     d_io = gl.arange(0, D, layout=gl.SliceLayout(0, io_layout()))
     h = gl.arange(0, NQ, layout=gl.SliceLayout(0, s_layout))
@@ -147,15 +95,15 @@ def _consumer(rows, pieces, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.c
         b, kvh, start, end, slot = _piece(pieces, p)
         q = gl.load(q_ptr + b * stride_qb + (kvh * GROUP + h_io)[:, None] * stride_qh + d_io[None, :],
                     mask=(h_io < GROUP)[:, None], other=0.0)
-        q_smem.store(gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16))
+        if F8:  # fp16 operands (attend.mma_operand): bf16 saturated to fp16's range
+            q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0)
+        q_smem.store(q.to(q_smem.dtype))
         fence_async_shared()
         n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 1)
-        acc, m_i, l_i = _attend(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, it,
+        acc, m_i, l_i = attend_swapped(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, it,
                                 n_tiles, (end - start) // BLOCK_N, start, end, qk_scale, D, NQ, BLOCK_N, STAGES)
         it += n_tiles
-        empty = l_i == 0.0  # no key: o = 0, lse = -inf
-        o = acc * (v_scale / gl.where(empty, 1.0, l_i))[None, :]
-        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        o, lse = finish_swapped(acc, m_i, l_i, v_scale)
         ok = h < GROUP
         if slot < 0:  # the segment's only piece: the output itself
             qh = (kvh * GROUP + h).to(gl.int64)
@@ -186,7 +134,7 @@ def _loader(k_desc, v_desc, bt_ptr, pieces, smem, stride_btb, stride_btn, page_r
 
 
 @gluon.jit
-def _decode_fp8_sm90_kernel(
+def _decode_sm90_kernel(
     q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,  # a call's own arguments first (relaunch)
     work_ptr, prog_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sm_scale, max_tokens, page_rows, head_rows, head_cols,
     oob_row, stride_qb, stride_qh, stride_sl, stride_btb, stride_btn, stride_ob, stride_oh, stride_lb, stride_lh,
@@ -196,11 +144,15 @@ def _decode_fp8_sm90_kernel(
 ):
     if PDL:  # the fold may launch now: it waits for this grid's writes
         gdc_launch_dependents()
-    f16: gl.constexpr = gl.float16
-    q_smem = gl.allocate_shared_memory(f16, [NQ, D], gl.NVMMASharedLayout.get_default_for([NQ, D], f16))
+    F8: gl.constexpr = k_desc.dtype.is_fp8()
+    op: gl.constexpr = gl.float16 if F8 else k_desc.dtype  # the GEMMs' operand dtype
+    q_smem = gl.allocate_shared_memory(op, [NQ, D], gl.NVMMASharedLayout.get_default_for([NQ, D], op))
     k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_ring(k_desc, v_desc, BLOCK_N, STAGES, 1)
-    v16 = gl.allocate_shared_memory(f16, [BLOCK_N, D], gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], f16))
-    p_smem = gl.allocate_shared_memory(f16, [NQ, BLOCK_N], gl.NVMMASharedLayout.get_default_for([NQ, BLOCK_N], f16))
+    if F8:
+        v16 = gl.allocate_shared_memory(op, [BLOCK_N, D], gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], op))
+    else:
+        v16 = v_smem  # (not used: V's tiles are the operand)
+    p_smem = gl.allocate_shared_memory(op, [NQ, BLOCK_N], gl.NVMMASharedLayout.get_default_for([NQ, BLOCK_N], op))
     smem = (q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty)
     rows = (q_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sm_scale, stride_qb, stride_qh, stride_ob,
             stride_oh, stride_lb, stride_lh, stride_pop, stride_poh, stride_plp, stride_plh)
@@ -214,31 +166,36 @@ def _decode_fp8_sm90_kernel(
 
 def covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan, softcap: float, sinks):
     """The TMA view of the caches when this kernel runs the call, else None (the portable kernel
-    does): what ``attend_sm90.covered`` takes over an fp8 cache, with a group of at most 16 (the
-    accumulators of larger ones spill in the two-programs-an-SM register budget), a plan without a
-    window cut at multiples of the tile, no soft-capping or sinks."""
+    does): what ``attend_sm90.covered`` takes over a cache of the queries' dtype or fp8, with a group of
+    at most 16 (the accumulators of larger ones spill in the two-programs-an-SM register budget), a
+    plan without a window cut at multiples of the tile with at least ``MIN_TILES_PER_PROGRAM`` tiles a
+    program, no soft-capping or sinks."""
     if softcap > 0 or sinks is not None or plan.window or plan.block_n % TILE[0]:
         return None
     if q.shape[-2] // k_cache.shape[2] > 16:
         return None
-    return covered_sm90(q, k_cache, v_cache, fp8=True)
+    tiles = int(np.maximum(-(-plan.seq_lens_host // plan.block_n), 1).sum()) * k_cache.shape[2]
+    if tiles < MIN_TILES_PER_PROGRAM * plan.num_programs:
+        return None
+    return covered_sm90(q, k_cache, v_cache, fp8=k_cache.element_size() == 1)
 
 
-def decode_fp8_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scale: float, scales, view,
-                    pdl: bool):
-    """The plan's pieces over an fp8 cache (``covered`` gave ``view``) into ``out``/``lse`` and the
-    plan's partial slots; ``scales``: the cache's ``(k_scale, v_scale)`` ``[1]`` fp32 tensors. -> a
+def decode_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scale: float, scales, view,
+                pdl: bool):
+    """The plan's pieces (``covered`` gave ``view``) into ``out``/``lse`` and the plan's partial slots;
+    ``scales``: an fp8 cache's ``(k_scale, v_scale)`` ``[1]`` fp32 tensors, or ``(None, None)``. -> a
     relaunch taking the addresses of (q, k_cache, v_cache, block_table, seq_lens, out, lse), or None."""
     hq, d = q.shape[1], q.shape[2]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    block_n, stages = TILE
+    block_n, stages = TILE[0], max(1, TILE[1] // k_cache.element_size())  # 16-bit: the same bytes in flight
     box = min(bs, block_n)
     po, plse = plan.partial_o, plan.partial_lse
     bound = launch(
-        _decode_fp8_sm90_kernel, (plan.num_programs,), q, *descriptors(k_cache, v_cache, view, box, block_n),
-        block_table, seq_lens, out, lse,
-        plan.work, plan.prog_ptr, po, plse, *scales, scale, block_table.shape[1] * bs, *view[2:], view[0],
+        _decode_sm90_kernel, (plan.num_programs,), q, *descriptors(k_cache, v_cache, view, box, block_n),
+        block_table, seq_lens, out, lse, plan.work, plan.prog_ptr, po, plse,
+        *(q if x is None else x for x in scales),  # (16-bit: not read)
+        scale, block_table.shape[1] * bs, *view[2:], view[0],
         q.stride(0), q.stride(1), seq_lens.stride(0), *block_table.stride(), out.stride(0), out.stride(1),
         *lse.stride(), po.stride(0), po.stride(1), *plse.stride(),
         GROUP=group, NQ=max(8, group), BS=bs, D=d, BLOCK_N=block_n, PAGE_BOX=box, STAGES=stages, PDL=pdl,

@@ -1,6 +1,7 @@
-"""The Hopper decode over fp8 caches (kernels/decode_sm90.py) inside ``paged_decode``, against the fp64
-reference on the dequantized cache, on an sm_90 GPU. Each case asserts the kernel really ran; other
-machines skip the file (tests/test_fp8.py covers the portable kernel over fp8 everywhere)."""
+"""The Hopper decode (kernels/decode_sm90.py) inside ``paged_decode``, over fp8 and 16-bit caches, against
+the fp64 reference (fp8: on the dequantized cache), on an sm_90 GPU. Each case asserts which kernel
+ran; other machines skip the file (tests/test_decode.py and tests/test_fp8.py cover the portable
+kernel everywhere)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 import paged_backend as pb
 from paged_backend.kernels import decode as D
 from paged_backend.kernels.dispatch import SM90_TRITON, triton_release
-from tests.paged_inputs import make_block_table, make_fp8_cache, poison_outside
+from tests.paged_inputs import make_block_table, make_cache, make_fp8_cache, poison_outside
 from tests.reference import assert_close_state, decode_reference
 
 hopper = pytest.mark.skipif(
@@ -19,59 +20,74 @@ hopper = pytest.mark.skipif(
     reason=f"needs an sm_90 GPU (H100/H200) and a Triton release the Gluon kernels were checked on {SM90_TRITON}")
 pytestmark = [pytest.mark.gpu, hopper]
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+SCALES = dict(k_scale=0.05, v_scale=0.02)
 
 
 @pytest.fixture
 def ran(monkeypatch):
-    """-> the list of whether each decode call took the Hopper fp8 kernel."""
-    seen, view = [], D._fp8_sm90_view
+    """-> the list of whether each decode call took the Hopper kernel (any plan size takes it here)."""
+    from paged_backend.kernels import decode_sm90
+    monkeypatch.setattr(decode_sm90, "MIN_TILES_PER_PROGRAM", 0)
+    seen, view = [], D._sm90_view
 
     def spy(*args):
         got = view(*args)
         seen.append(got is not None)
         return got
 
-    monkeypatch.setattr(D, "_fp8_sm90_view", spy)
+    monkeypatch.setattr(D, "_sm90_view", spy)
     return seen
 
 
 def _inputs(lens, hq, hkv, d, bs, kv_dtype, q_dtype, layout="nhd", seed=0):
+    """-> (q, k, v, block_table, seq_lens, scales, k and v as the reference reads them)."""
     torch.manual_seed(seed)
     nb = sum(-(-n // bs) for n in lens) + 3
-    k, v = make_fp8_cache(nb, bs, hkv, d, kv_dtype, 0.05, 0.02, device="cuda", layout=layout)
+    fp8 = kv_dtype.itemsize == 1
+    if fp8:
+        k, v = make_fp8_cache(nb, bs, hkv, d, kv_dtype, SCALES["k_scale"], SCALES["v_scale"], device="cuda",
+                              layout=layout)
+    else:
+        k, v = make_cache(nb, bs, hkv, d, kv_dtype, device="cuda", layout=layout)
     bt = make_block_table(lens, bs, nb, device="cuda")
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = (torch.randn(len(lens), hq, d, device="cuda") * 4).to(q_dtype)
+    q = (torch.randn(len(lens), hq, d, device="cuda") * (4 if fp8 else 1)).to(q_dtype)
+    ref_kv = (k.float() * SCALES["k_scale"], v.float() * SCALES["v_scale"]) if fp8 else (k, v)
     poison_outside(k, v, bt, sl, float("nan"))  # slots past each sequence must never count
-    return q, k, v, bt, sl, dict(k_scale=0.05, v_scale=0.02)
+    return q, k, v, bt, sl, SCALES if fp8 else {}, ref_kv
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+KV_Q = [(torch.float8_e4m3fn, torch.bfloat16), (torch.float8_e4m3fn, torch.float16),
+        (torch.float8_e5m2, torch.bfloat16), (torch.float8_e5m2, torch.float16),
+        (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)]
+
+
+@pytest.mark.parametrize("kv_q", KV_Q, ids=lambda t: f"{str(t[0])[6:]}-q_{str(t[1])[6:]}")
 @pytest.mark.parametrize("shape", ["32/8/128/16", "8/8/64/32", "16/1/128/16", "16/2/64/256"])
 @pytest.mark.parametrize("layout", ["nhd", "vllm"])
-def test_matches_the_reference(ran, kv_dtype, q_dtype, shape, layout):
+def test_matches_the_reference(ran, kv_q, shape, layout):
     """Ragged lengths (empty, one key, mid-page, past a tile, stream-K cuts), every group size the
-    kernel takes (1 -> 8 columns ... 16), page sizes below, at and above a tile, both cache layouts."""
+    kernel takes (1 -> 8 columns ... 16), page sizes below, at and above a tile, both cache layouts,
+    NaN in every slot no sequence holds."""
     hq, hkv, d, bs = map(int, shape.split("/"))
     lens = [0, 1, 63, 64, 65, 1000, 4099, 17]
-    q, k, v, bt, sl, scales = _inputs(lens, hq, hkv, d, bs, kv_dtype, q_dtype, layout)
+    q, k, v, bt, sl, scales, ref_kv = _inputs(lens, hq, hkv, d, bs, *kv_q, layout)
     plan = pb.plan_decode(np.array(lens), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                           device="cuda")
     out, lse = pb.paged_decode(q, k, v, bt, sl, plan=plan, **scales)
     assert ran == [True]
-    k_deq, v_deq = k.float() * scales["k_scale"], v.float() * scales["v_scale"]
-    assert_close_state(out, lse, *decode_reference(q, k_deq, v_deq, bt, sl), q_dtype, TOL[q_dtype])
+    assert_close_state(out, lse, *decode_reference(q, *ref_kv, bt, sl), kv_q[1], TOL[kv_q[1]])
     again = pb.paged_decode(q, k, v, bt, sl, plan=plan, **scales)  # the relaunch: the same bits
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
 
 
-def test_long_rows_split_over_programs_and_upper_bound_plans(ran):
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.bfloat16])
+def test_long_rows_split_over_programs_and_upper_bound_plans(ran, kv_dtype):
     """Few long requests (each cut over many programs, folded) and a call without a plan (planned at
     the table's capacity, bounded by the device lengths in the kernel)."""
     lens = [70000, 33, 20001]
-    q, k, v, bt, sl, scales = _inputs(lens, 32, 8, 128, 16, torch.float8_e4m3fn, torch.bfloat16)
-    ref = decode_reference(q, k.float() * 0.05, v.float() * 0.02, bt, sl)
+    q, k, v, bt, sl, scales, ref_kv = _inputs(lens, 32, 8, 128, 16, kv_dtype, torch.bfloat16)
+    ref = decode_reference(q, *ref_kv, bt, sl)
     plan = pb.plan_decode(np.array(lens), num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda")
     tol = TOL[torch.bfloat16]
     assert_close_state(*pb.paged_decode(q, k, v, bt, sl, plan=plan, **scales), *ref, torch.bfloat16, tol)
@@ -79,10 +95,11 @@ def test_long_rows_split_over_programs_and_upper_bound_plans(ran):
     assert ran == [True, True]
 
 
-def test_graph_replay_follows_new_lengths(ran):
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.bfloat16])
+def test_graph_replay_follows_new_lengths(ran, kv_dtype):
     """A captured decode replays with the lengths and queries of each step (a plan from upper bounds)."""
     lens = [3000, 129, 64]
-    q, k, v, bt, sl, scales = _inputs(lens, 32, 8, 128, 16, torch.float8_e4m3fn, torch.bfloat16)
+    q, k, v, bt, sl, scales, ref_kv = _inputs(lens, 32, 8, 128, 16, kv_dtype, torch.bfloat16)
     plan = pb.plan_decode(np.array(lens), num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda")
     step_sl = sl - 40
     out, lse = pb.paged_decode(q, k, v, bt, step_sl, plan=plan, **scales)  # compiles and binds
@@ -93,16 +110,28 @@ def test_graph_replay_follows_new_lengths(ran):
         step_sl.copy_(sl - back)
         q.copy_(torch.randn_like(q, dtype=torch.float32).to(q.dtype))
         graph.replay()
-        ref = decode_reference(q, k.float() * 0.05, v.float() * 0.02, bt, step_sl)
-        assert_close_state(out, lse, *ref, torch.bfloat16, TOL[torch.bfloat16])
+        assert_close_state(out, lse, *decode_reference(q, *ref_kv, bt, step_sl), torch.bfloat16, TOL[torch.bfloat16])
     assert all(ran)
 
 
-@pytest.mark.parametrize("kw", [dict(softcap=20.0), dict(window=100), dict(sinks=True)])
+@pytest.mark.parametrize("kw", [dict(softcap=20.0), dict(window=100), dict(sinks=True), dict(fp32=True)])
 def test_what_it_does_not_take_runs_the_portable_kernel(ran, kw):
     lens = [500, 77]
-    q, k, v, bt, sl, scales = _inputs(lens, 32, 8, 128, 16, torch.float8_e4m3fn, torch.bfloat16)
+    q_dtype = torch.float32 if kw.pop("fp32", False) else torch.bfloat16
+    q, k, v, bt, sl, scales, _ = _inputs(lens, 32, 8, 128, 16, torch.float8_e4m3fn, q_dtype)
     if kw.get("sinks"):
         kw = dict(sinks=torch.zeros(32, device="cuda"))
     out, lse = pb.paged_decode(q, k, v, bt, sl, **kw, **scales)
     assert ran == [False] and torch.isfinite(out).all()
+
+
+def test_small_plans_take_the_portable_kernel():
+    """Under ``MIN_TILES_PER_PROGRAM`` tiles a program the call is host-bound: the portable kernel's
+    launch is the cheaper one. The same call over a longer context takes the Hopper kernel."""
+    kw = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda")
+    for lens, want in (([4096], False), ([65536], True)):
+        q, k, v, bt, sl, _, ref_kv = _inputs(lens, 32, 8, 128, 16, torch.bfloat16, torch.bfloat16)
+        plan = pb.plan_decode(np.array(lens), **kw)
+        assert (D._sm90_view(q, k, v, plan, 0.0, None) is not None) == want
+        assert_close_state(*pb.paged_decode(q, k, v, bt, sl, plan=plan), *decode_reference(q, *ref_kv, bt, sl),
+                           torch.bfloat16, TOL[torch.bfloat16])

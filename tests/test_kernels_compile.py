@@ -182,27 +182,30 @@ def _prefill_call(hq, hkv, d, causal, sinks):
                                 causal, out, lse, cfg, sinks=s)
 
 
-def _decode_fp8_call(hq, hkv, d, kv_dtype):
-    """The Hopper decode over an fp8 cache: a 4K request cut over programs and a short one."""
+def _decode_call(hq, hkv, d, kv_dtype):
+    """The Hopper decode: a 4K request cut over programs and a short one, bf16 queries."""
     import paged_backend as pb
-    from paged_backend.kernels.decode_sm90 import covered, decode_fp8_sm90
+    from paged_backend.kernels.decode_sm90 import covered, decode_sm90
     bs, lens = 16, [4096, 77]
     pages = sum(-(-n // bs) for n in lens)
     plan = pb.plan_decode(np.array(lens), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                           device=torch.device("cpu"))
-    q = torch.zeros(2, hq, d, dtype=torch.bfloat16)
+    q = torch.zeros(2, hq, d, dtype=torch.bfloat16 if kv_dtype.itemsize == 1 else kv_dtype)
     k = torch.zeros(pages, bs, hkv, d, dtype=kv_dtype)
     table = torch.arange(2 * pages, dtype=torch.int32).reshape(2, pages) % pages
-    out, lse = torch.empty(2, hq, d, dtype=torch.bfloat16), torch.empty(2, hq)
+    out, lse = torch.empty(2, hq, d, dtype=q.dtype), torch.empty(2, hq)
+    scales = (torch.ones(1), torch.ones(1)) if kv_dtype.itemsize == 1 else (None, None)
     view = covered(q, k, k.clone(), plan, 0.0, None)
-    assert view is not None, "not a call the Hopper fp8 decode takes"
-    return lambda: decode_fp8_sm90(q, k, k.clone(), table, torch.tensor(lens, dtype=torch.int32), out, lse, plan,
-                                   d ** -0.5, (torch.ones(1), torch.ones(1)), view, True)
+    assert view is not None, "not a call the Hopper decode takes"
+    return lambda: decode_sm90(q, k, k.clone(), table, torch.tensor(lens, dtype=torch.int32), out, lse, plan,
+                               d ** -0.5, scales, view, True)
 
 
 SM90_CASES = {
-    "decode_fp8 d128 g4 e4m3": lambda: _decode_fp8_call(32, 8, 128, torch.float8_e4m3fn),
-    "decode_fp8 d64 g16 e5m2": lambda: _decode_fp8_call(16, 1, 64, torch.float8_e5m2),
+    "decode d128 g4 e4m3": lambda: _decode_call(32, 8, 128, torch.float8_e4m3fn),
+    "decode d64 g16 e5m2": lambda: _decode_call(16, 1, 64, torch.float8_e5m2),
+    "decode d128 g4 bf16": lambda: _decode_call(32, 8, 128, torch.bfloat16),
+    "decode d64 g1 fp16": lambda: _decode_call(8, 8, 64, torch.float16),
     "cascade_node d128 g4": lambda: _node_call(32, 8, 128, 0.0),
     "cascade_node d64 g8 softcap": lambda: _node_call(32, 4, 64, 30.0),
     "prefill d128 g4 causal": lambda: _prefill_call(32, 8, 128, True, False),
