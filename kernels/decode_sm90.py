@@ -101,7 +101,7 @@ def _consumer(rows, pieces, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.c
         fence_async_shared()
         n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 1)
         acc, m_i, l_i = attend_swapped(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, it,
-                                n_tiles, (end - start) // BLOCK_N, start, end, qk_scale, D, NQ, BLOCK_N, STAGES)
+                                       n_tiles, (end - start) // BLOCK_N, start, end, qk_scale, D, NQ, BLOCK_N, STAGES)
         it += n_tiles
         o, lse = finish_swapped(acc, m_i, l_i, v_scale)
         ok = h < GROUP
