@@ -26,9 +26,10 @@ probabilities round to fp16, the scales fold into the scores' scale and the outp
 caches everything is in the cache's dtype as in the portable kernel. Two programs share an SM (the
 plan's ``PROGRAMS_PER_SM``), each one consumer warpgroup and one loader warp.
 
-H200, 2026-11-29 (``benchmarks/results/sweeps/decode_fp8_sm90_h200.log``, ``decode_sm90_16bit_h200.log``):
-fp8 B8x32K 221.8 us (portable) -> 159.8 us eager, 149.0 us in a graph (80%, 86% of copy bandwidth);
-bf16 in a graph B64x4K 268.7 -> 247.2 us, 256 x 1K 279.0 -> 249.1 us, B1x32K 41.1 -> 39.6 us. Not
+H200, 2026-11-29 22:12 UTC, against the same plan on the portable kernel and FlashInfer in one run
+(``benchmarks/results/h200.md`` "Paged decode"): fp8 B8x32K 222.7 -> 161.1 us eager, 149.6 us in a
+graph (79%, 85% of copy bandwidth); bf16 in a graph B64x4K 271.2 -> 253.1 us, B1x32K 41.7 -> 39.8 us.
+Probes (``benchmarks/results/sweeps/decode_fp8_sm90_h200.log``, ``decode_sm90_16bit_h200.log``), not
 kept: an fp8 K through an fp16 tile too (200.5 us); P V left in flight across the next tile's scores
 (ptxas serialized the wgmmas, C7514: 191.8 us); the loader reading a tile's page ids at once and the
 next tile's ahead (no change); 3 fp8 stages instead of 4 (no change).
@@ -53,8 +54,9 @@ from paged_backend.kernels.launch import DescriptorRelaunch, launch
 # PAGED_BACKEND_DECODE_SM90_TILE=KEYSxSTAGES sets them (a sweep)
 TILE = tuple(int(x) for x in os.environ.get("PAGED_BACKEND_DECODE_SM90_TILE", "64x4").split("x"))
 # Plans with fewer tiles a program take the portable kernel: their eager calls are bound by the host,
-# where this kernel's launch (TMA descriptors) costs ~7 us more (H200, 2026-11-29: bf16 B1x8K, 3.9
-# tiles a program, 43.6 against 36.0 us eager, 16.4 against 17.0 us in a graph).
+# where this kernel's launch (TMA descriptors) costs ~7 us more (H200 probe, 2026-11-29, sweeps
+# decode_sm90_16bit_h200.log: bf16 B1x8K, 3.9 tiles a program, 43.6 against 36.0 us eager, 16.4
+# against 17.0 us in a graph).
 MIN_TILES_PER_PROGRAM = 8
 
 
