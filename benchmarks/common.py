@@ -1,13 +1,12 @@
 """Shared benchmark helpers: timing, copy bandwidth, paged inputs, dense reference, result files.
 
 Every benchmark script imports this module (``benchmarks/`` is on ``sys.path`` when a script in it
-runs). Times are microseconds, medians of ``triton.testing.do_bench`` on CUDA (which also clears
-the L2 before each timed call) and of ``time.perf_counter`` loops on the CPU.
+runs). Times are microseconds: on CUDA medians of ``triton.testing.do_bench``'s loop with the L2
+evicted by a read before each timed call (:func:`time_us`), on the CPU of ``time.perf_counter`` loops.
 """
 from __future__ import annotations
 
 import datetime
-import inspect
 import itertools
 import json
 import math
@@ -31,19 +30,51 @@ MAX_SETS = 16
 
 
 # ----------------------------------------------------------------------------- timing
+_FLUSH: dict = {}
+
+
+def flush_l2(device) -> None:
+    """Evicts the L2 by reading 256 MB, leaving it full of clean lines. ``triton.testing.do_bench``
+    zeroes 256 MB instead, which leaves it full of dirty ones: the timed call then pays their
+    write-back, ~10 us on an H200 for a kernel at full bandwidth and nothing for one well below it
+    (B1x32K decode, ours 50.3 -> 40.4 us, FlashInfer 60.7 -> 59.9 us with this flush; a flush by
+    zeroing then reading: 41.2 / 59.3 us; results/sweeps/eager_flush_h200.log)."""
+    buf = _FLUSH.get(device)
+    if buf is None:
+        buf = _FLUSH[device] = torch.zeros(128 << 20, dtype=torch.float16, device=device)
+    torch.amax(buf)
+
+
 def time_us(fn, device, warmup_ms: int = 50, rep_ms: int = 200, cpu_reps: int = 3) -> float:
-    """Median time of ``fn()`` in microseconds."""
+    """Median time of ``fn()`` in microseconds. CUDA: ``do_bench``'s loop (a call, five timed to size
+    the warm-up and the repeats, then per repeat: L2 flush, start event, call, end event) with
+    :func:`flush_l2` as the flush; events made before the loop."""
     if torch.device(device).type == "cuda":
-        import triton.testing
-        bench = triton.testing.do_bench
-        params = inspect.signature(bench).parameters
-        if "return_mode" in params:
-            ms = bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-        else:  # older Triton: quantiles only
-            ms = bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5])
-        if isinstance(ms, (list, tuple)):
-            ms = ms[0]
-        return float(ms) * 1e3
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.device(device).index is None \
+            else torch.device(device)
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            flush_l2(device)
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        estimate_ms = start.elapsed_time(end) / 5
+        n_warmup, n_repeat = max(1, int(warmup_ms / estimate_ms)), max(1, int(rep_ms / estimate_ms))
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+        for _ in range(n_warmup):
+            fn()
+        for s, e in zip(starts, ends):
+            flush_l2(device)
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+        return times[len(times) // 2] * 1e3
     fn()
     times = []
     for _ in range(cpu_reps):
