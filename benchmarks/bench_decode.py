@@ -73,7 +73,8 @@ def ours_impl(inp: C.PagedInputs, kind: str) -> Impl:
     else:
         plan = pb.plan_decode(np.asarray(inp.lens), num_q_heads=inp.num_q_heads, num_kv_heads=inp.num_kv_heads,
                               head_dim=inp.head_dim, block_size=inp.block_size, device=inp.device,
-                              mode="split" if kind == "ours_split" else "stream_k", window=inp.window)
+                              mode="split" if kind == "ours_split" else "stream_k", window=inp.window,
+                              kv_dtype=inp.kv_dtype)
     fns = [lambda q=q, k=k, v=v: pb.paged_decode(q, k, v, bt, sl, plan=plan, window=inp.window)
            for q, k, v in inp.sets]
     if kind == "ours_portable":  # the stream-K plan on the portable kernels: its launches bound with the

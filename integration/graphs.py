@@ -117,7 +117,8 @@ class _Graph:
         self.inputs = StaticInputs(size, width, dev)
         self.plans = {w: pb.plan_decode(np.zeros(size, np.int64), num_q_heads=num_q_heads,
                                         num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                                        block_size=spec.block_size, device=dev, window=w) for w in windows}
+                                        block_size=spec.block_size, device=dev, window=w, kv_dtype=spec.dtype)
+                      for w in windows}
         self.rows = torch.arange(size, device=dev)
         self.step = Step(cache, self.inputs.ids, self.inputs.pos, self.inputs.slots, self.inputs.table,
                          self.inputs.lens, None, self.rows, DECODE, max_seq_len, plans=self.plans)

@@ -165,7 +165,8 @@ class StepBuilder:
         if plan is None:
             if len(self._decode_plans) >= 8 * len(self.windows):  # a few batch sizes recur; keep their buffers
                 self._decode_plans.pop(next(iter(self._decode_plans)))
-            plan = self._decode_plans[lens.size, window] = pb.plan_decode(lens, window=window, **self.shape)
+            plan = self._decode_plans[lens.size, window] = pb.plan_decode(lens, window=window,
+                                                                          kv_dtype=self.cache.spec.dtype, **self.shape)
             return plan
         return plan.update(lens)
 

@@ -17,6 +17,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from paged_backend.kernels.attend import (LOG2E, add_sink, attend_paged_range, dequantized, fast_tanh, fp8_mma_f16,
                                           mma_operand, sink_states, soft_cap)
+from paged_backend.decode_plan import PROGRAMS_PER_SM
 from paged_backend.kernels.dispatch import num_sms, use_pdl, use_sm90
 from paged_backend.kernels.launch import Relaunch, launch, pow2, replay_stream
 
@@ -297,8 +298,12 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
         decode = decode_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scale, scales, view, pdl)
     else:
         tile_n, stages = plan.kernel_tile
-        if k_cache.element_size() == 1:  # fp8: twice the tokens a tile (the same bytes), 3 stages (H100 sweep)
-            tile_n, stages = 2 * plan.block_n, 3
+        if k_cache.element_size() == 1:  # fp8: twice the tokens a tile (the same bytes), 3 stages (H100 sweep),
+            # but the plan's own tiles where it has 3+ programs an SM (fp8 plans on Hopper, for calls the Hopper
+            # kernel does not take), so that they fit at once (H200, B8x32K: 215.2 us at 2 an SM, 277.6 at 3
+            # with 128 tokens a tile, 222.0 with 64; B4x2K 18.2 / 25.6 / 16.1; sweeps/decode_fp8_programs_h200.log)
+            crowded = plan.target_programs > PROGRAMS_PER_SM * num_sms(q.device)
+            tile_n, stages = (plan.block_n if crowded else 2 * plan.block_n), 3
         decode = run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan.partial_o, plan.partial_lse,
                             plan.work, plan.prog_ptr, plan.num_programs, tile_n, scale, pdl, num_stages=stages,
                             softcap=softcap, sinks=sinks, window=plan.window or 0, scales=scales)

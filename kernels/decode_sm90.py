@@ -23,12 +23,13 @@ The softmax runs down the columns of ``S^T`` (a maximum across the warpgroup's w
 row sums are kept per element and reduced once at the piece's end. Over fp8, queries are fp16 as the
 portable kernel takes them (``attend.mma_operand``: bf16 saturated to fp16's range), the
 probabilities round to fp16, the scales fold into the scores' scale and the output; over 16-bit
-caches everything is in the cache's dtype as in the portable kernel. Two programs share an SM (the
-plan's ``PROGRAMS_PER_SM``), each one consumer warpgroup and one loader warp.
+caches everything is in the cache's dtype as in the portable kernel. Two programs share an SM, three
+over fp8 (the plan's ``programs_per_sm``), each one consumer warpgroup and one loader warp.
 
-H200, 2026-11-29 22:12 UTC, against the same plan on the portable kernel and FlashInfer in one run
-(``benchmarks/results/h200.md`` "Paged decode"): fp8 B8x32K 222.7 -> 161.1 us eager, 149.6 us in a
-graph (79%, 85% of copy bandwidth); bf16 in a graph B64x4K 271.2 -> 253.1 us, B1x32K 41.7 -> 39.8 us.
+H200, 2026-11-29 23:33 UTC, against the same plan on the portable kernel and FlashInfer in one run
+(``benchmarks/results/h200.md`` "Paged decode"): fp8 B8x32K 225.3 -> 143.7 us eager, 140.4 us in a
+graph (88%, 90% of copy bandwidth; three programs an SM); bf16 in a graph B64x4K 270.6 -> 250.8 us,
+B1x32K 40.8 -> 38.9 us.
 Probes (``benchmarks/results/sweeps/decode_fp8_sm90_h200.log``, ``decode_sm90_16bit_h200.log``), not
 kept: an fp8 K through an fp16 tile too (200.5 us); P V left in flight across the next tile's scores
 (ptxas serialized the wgmmas, C7514: 191.8 us); the loader reading a tile's page ids at once and the
@@ -48,11 +49,18 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from paged_backend.kernels.attend_sm90 import (alloc_ring, attend_swapped, descriptors, finish_swapped, io_layout,
                                                load_range, swapped_layout)
 from paged_backend.kernels.attend_sm90 import covered as covered_sm90  # (this module's covered adds the plan's terms)
+from paged_backend.kernels.dispatch import SM90_DECODE_GROUP, num_sms
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
 
-# (keys a K/V tile, ring stages of an fp8 cache: half as many for 16-bit ones, the same bytes);
-# PAGED_BACKEND_DECODE_SM90_TILE=KEYSxSTAGES sets them (a sweep)
+# (keys a K/V tile, ring stages of an fp8 cache at two programs an SM: half as many for 16-bit ones,
+# the same bytes); PAGED_BACKEND_DECODE_SM90_TILE=KEYSxSTAGES sets them (a sweep)
 TILE = tuple(int(x) for x in os.environ.get("PAGED_BACKEND_DECODE_SM90_TILE", "64x4").split("x"))
+# Registers a thread by programs an SM (a program: 8 warps, the loader's padding a warpgroup), so that
+# every program of a plan is resident at once; plans of 3+ an SM (fp8 plans, decode_plan.py) also
+# halve the ring (shared memory). At 3 an SM: 80, where groups up to 16 spill nothing (72 measured 1-2%
+# faster at group 4 with 8 bytes of spills, and spills 108 at group 16: H200, sweeps
+# decode_fp8_programs_h200.log; tests/test_kernels_compile.py).
+MAXNREG = {1: 128, 2: 128, 3: 80, 4: 64}
 # Plans with fewer tiles a program take the portable kernel: their eager calls are bound by the host,
 # where this kernel's launch (TMA descriptors) costs ~7 us more (H200 probe, 2026-11-29, sweeps
 # decode_sm90_16bit_h200.log: bf16 B1x8K, 3.9 tiles a program, 43.6 against 36.0 us eager, 16.4
@@ -174,7 +182,7 @@ def covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan,
     program, no soft-capping or sinks."""
     if softcap > 0 or sinks is not None or plan.window or plan.block_n % TILE[0]:
         return None
-    if q.shape[-2] // k_cache.shape[2] > 16:
+    if q.shape[-2] // k_cache.shape[2] > SM90_DECODE_GROUP:
         return None
     tiles = int(np.maximum(-(-plan.seq_lens_host // plan.block_n), 1).sum()) * k_cache.shape[2]
     if tiles < MIN_TILES_PER_PROGRAM * plan.num_programs:
@@ -190,7 +198,9 @@ def decode_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scal
     hq, d = q.shape[1], q.shape[2]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    block_n, stages = TILE[0], max(1, TILE[1] // k_cache.element_size())  # 16-bit: the same bytes in flight
+    per_sm = min(-(-plan.target_programs // num_sms(q.device)), 4)
+    block_n, stages = TILE[0], TILE[1] // (1 if per_sm <= 2 else 2)
+    stages = max(1, stages // k_cache.element_size())  # 16-bit: the same bytes in flight
     box = min(bs, block_n)
     po, plse = plan.partial_o, plan.partial_lse
     bound = launch(
@@ -201,5 +211,5 @@ def decode_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scal
         q.stride(0), q.stride(1), seq_lens.stride(0), *block_table.stride(), out.stride(0), out.stride(1),
         *lse.stride(), po.stride(0), po.stride(1), *plse.stride(),
         GROUP=group, NQ=max(8, group), BS=bs, D=d, BLOCK_N=block_n, PAGE_BOX=box, STAGES=stages, PDL=pdl,
-        num_warps=4, maxnreg=128)  # two programs an SM: 2 x 8 warps (the loader pads a warpgroup) x 128
+        num_warps=4, maxnreg=MAXNREG[per_sm])
     return bound and DescriptorRelaunch(bound, 7)

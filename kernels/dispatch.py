@@ -52,6 +52,10 @@ def use_sm90(device: torch.device) -> bool:
             and triton_release() in SM90_TRITON and _capability(device) == (9, 0))
 
 
+# The Hopper decode kernel's largest group (its accumulators spill past it: kernels/decode_sm90.py)
+SM90_DECODE_GROUP = 16
+
+
 def sm90_shape(head_dim: int, block_size: int, group: int) -> bool:
     """The head size, page size and query heads per KV head the Hopper kernels take
     (kernels/attend_sm90.py ``covered``): head size 64 or 128, pages of 16+ tokens, a power-of-two

@@ -17,11 +17,11 @@ from paged_backend.decode_plan import DecodePlan, plan_decode
 
 @lru_cache(maxsize=32)
 def _capacity_plan(batch: int, capacity: int, hq: int, hkv: int, d: int, bs: int, device: torch.device,
-                   window: int) -> DecodePlan:
+                   window: int, kv_dtype: torch.dtype) -> DecodePlan:
     # Without host lengths, plan every request at the table's capacity; the kernel clamps each
     # piece by the device lengths, so the result is exact (only the balance suffers).
     return plan_decode(np.full(batch, capacity), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                       block_size=bs, device=device, window=window or None)
+                       block_size=bs, device=device, window=window or None, kv_dtype=kv_dtype)
 
 
 def _output(name, t, shape, dtype, device):
@@ -148,7 +148,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         if plan is None:
             b, hq, d = q.shape
             bs, hkv = k_cache.shape[1], k_cache.shape[2]
-            plan = _capacity_plan(b, block_table.shape[1] * bs, hq, hkv, d, bs, q.device, window)
+            plan = _capacity_plan(b, block_table.shape[1] * bs, hq, hkv, d, bs, q.device, window, k_cache.dtype)
         decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale, out, lse, softcap, sinks, scales)
     else:
         decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale, out, lse, softcap, sinks, window, scales)

@@ -27,12 +27,18 @@ import numpy as np
 import torch
 
 from paged_backend.kernels.checks import HEAD_DIMS, check_heads, check_window, debug_enabled
-from paged_backend.kernels.dispatch import num_sms
+from paged_backend.kernels.dispatch import SM90_DECODE_GROUP, num_sms, sm90_shape, use_sm90
 
 # Programs per SM for the decode kernel (4 warps, 3 pipeline stages, 64-token tiles); G = SMs x this.
 # Swept on an H200 (2026-11-21) with 1-6 programs per SM and 32/64/128-token tiles: 2 x 64 was best
 # or within 2% of best on every workload-of-record case.
 PROGRAMS_PER_SM = 2
+# Plans the Hopper decode kernel runs over a 1-byte (fp8) cache: 3. There one consumer warpgroup a
+# program is bound by its serial chain of conversions, GEMMs and softmax, not by bytes; a third
+# program an SM (fewer registers, half the ring: kernels/decode_sm90.py) overlaps more chains (H200,
+# 2026-11-29, graphs: B8x32K 149.6 -> 136-142 us, sweeps/decode_fp8_programs_h200.log). 16-bit caches
+# measured no faster with 3 (B1x32K 39.6 / 39.5-39.9 us).
+FP8_SM90_PROGRAMS_PER_SM = 3
 # Stream-K keeps whole segments (no split) when that is at most this much slower than an even cut.
 NO_SPLIT_SLACK = 1.15
 WORK_FIELDS = 5  # (request, kv_head, token_start, token_end, partial slot or -1 = write output)
@@ -43,6 +49,18 @@ def block_n_for(head_dim: int) -> int:
     """Tokens per KV tile (a work unit): 64 for D <= 128 (see PROGRAMS_PER_SM), halved for D = 256
     so three pipeline stages of K and V still fit in shared memory."""
     return 32 if head_dim > 128 else 64
+
+
+def programs_per_sm(device: torch.device, kv_dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                    block_size: int, window) -> int:
+    """Programs an SM of a plan (``G = SMs x this``): ``FP8_SM90_PROGRAMS_PER_SM`` where the Hopper decode
+    kernel will run it over a 1-byte cache (its plan terms: no window, a group of at most
+    ``SM90_DECODE_GROUP``), else ``PROGRAMS_PER_SM``."""
+    group = num_q_heads // num_kv_heads
+    if kv_dtype is None or kv_dtype.itemsize != 1 or window or group > SM90_DECODE_GROUP \
+            or not sm90_shape(head_dim, block_size, group) or not use_sm90(device):
+        return PROGRAMS_PER_SM
+    return FP8_SM90_PROGRAMS_PER_SM
 
 
 def check_plan_covers(plan: "DecodePlan", seq_lens: torch.Tensor) -> None:
@@ -406,12 +424,15 @@ class DecodePlan:
 
 def plan_decode(seq_lens_cpu, *, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                 device=None, mode: str = "stream_k", num_programs: int | None = None,
-                block_n: int | None = None, window: int | None = None) -> DecodePlan:
+                block_n: int | None = None, window: int | None = None, kv_dtype: torch.dtype | None = None
+                ) -> DecodePlan:
     """Partition one decode step. ``seq_lens_cpu [B]`` host lengths (tokens in cache, current one
     included). ``num_programs`` overrides ``G`` (default: SMs x programs per SM) and ``block_n`` the
     tokens per work unit (a power of two >= 16; default by head dim). ``window``: the sliding
     window of the layers the plan serves (see :func:`paged_decode`); only each request's last
-    ``window`` keys are partitioned. Reuse the plan for every layer of the step (one plan per
+    ``window`` keys are partitioned. ``kv_dtype``: the caches' dtype (None: 16-bit); an fp8 cache's plan
+    takes more programs where the Hopper kernel runs it (:func:`programs_per_sm`; any plan is exact
+    for any cache). Reuse the plan for every layer of the step (one plan per
     distinct window); call ``plan.update(new_lens)`` next step to keep the same buffers."""
     lens = _as_host_lens(seq_lens_cpu)
     window = check_window(window) or None
@@ -434,8 +455,11 @@ def plan_decode(seq_lens_cpu, *, num_q_heads: int, num_kv_heads: int, head_dim: 
     elif isinstance(block_n, bool) or not isinstance(block_n, (int, np.integer)) or block_n < 16 \
             or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")
+    if kv_dtype is not None and not isinstance(kv_dtype, torch.dtype):
+        raise TypeError(f"kv_dtype must be a torch.dtype or None, got {type(kv_dtype).__name__}")
     if num_programs is None:
-        num_programs = num_sms(device) * PROGRAMS_PER_SM
+        num_programs = num_sms(device) * programs_per_sm(device, kv_dtype, num_q_heads, num_kv_heads, head_dim,
+                                                         block_size, window)
     elif isinstance(num_programs, bool) or not isinstance(num_programs, (int, np.integer)) or num_programs < 1:
         raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")
     plan = DecodePlan(batch_size=lens.size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,

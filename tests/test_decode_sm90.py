@@ -73,7 +73,7 @@ def test_matches_the_reference(ran, kv_q, shape, layout):
     lens = [0, 1, 63, 64, 65, 1000, 4099, 17]
     q, k, v, bt, sl, scales, ref_kv = _inputs(lens, hq, hkv, d, bs, *kv_q, layout)
     plan = pb.plan_decode(np.array(lens), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                          device="cuda")
+                          device="cuda", kv_dtype=k.dtype)  # (fp8: three programs an SM, group 16 included)
     out, lse = pb.paged_decode(q, k, v, bt, sl, plan=plan, **scales)
     assert ran == [True]
     assert_close_state(out, lse, *decode_reference(q, *ref_kv, bt, sl), kv_q[1], TOL[kv_q[1]])
@@ -83,16 +83,24 @@ def test_matches_the_reference(ran, kv_q, shape, layout):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.bfloat16])
 def test_long_rows_split_over_programs_and_upper_bound_plans(ran, kv_dtype):
-    """Few long requests (each cut over many programs, folded) and a call without a plan (planned at
-    the table's capacity, bounded by the device lengths in the kernel)."""
+    """Few long requests (each cut over many programs, folded), a call without a plan (planned at
+    the table's capacity, bounded by the device lengths in the kernel), and plans of 1 to 4 programs an
+    SM (each launched with its own register and ring budget)."""
     lens = [70000, 33, 20001]
     q, k, v, bt, sl, scales, ref_kv = _inputs(lens, 32, 8, 128, 16, kv_dtype, torch.bfloat16)
     ref = decode_reference(q, *ref_kv, bt, sl)
-    plan = pb.plan_decode(np.array(lens), num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda")
+    shape = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda")
+    plan = pb.plan_decode(np.array(lens), kv_dtype=kv_dtype, **shape)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert plan.num_programs == sms * (3 if kv_dtype.itemsize == 1 else 2)
     tol = TOL[torch.bfloat16]
-    assert_close_state(*pb.paged_decode(q, k, v, bt, sl, plan=plan, **scales), *ref, torch.bfloat16, tol)
+    out, lse = pb.paged_decode(q, k, v, bt, sl, plan=plan, **scales)
+    assert_close_state(out, lse, *ref, torch.bfloat16, tol)
     assert_close_state(*pb.paged_decode(q, k, v, bt, sl, **scales), *ref, torch.bfloat16, tol)
-    assert ran == [True, True]
+    for per_sm in (1, 2, 3, 4):
+        other = pb.plan_decode(np.array(lens), num_programs=sms * per_sm, **shape)
+        assert_close_state(*pb.paged_decode(q, k, v, bt, sl, plan=other, **scales), *ref, torch.bfloat16, tol)
+    assert ran == [True] * 6
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.bfloat16])
@@ -100,7 +108,8 @@ def test_graph_replay_follows_new_lengths(ran, kv_dtype):
     """A captured decode replays with the lengths and queries of each step (a plan from upper bounds)."""
     lens = [3000, 129, 64]
     q, k, v, bt, sl, scales, ref_kv = _inputs(lens, 32, 8, 128, 16, kv_dtype, torch.bfloat16)
-    plan = pb.plan_decode(np.array(lens), num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda")
+    plan = pb.plan_decode(np.array(lens), num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda",
+                          kv_dtype=kv_dtype)
     step_sl = sl - 40
     out, lse = pb.paged_decode(q, k, v, bt, step_sl, plan=plan, **scales)  # compiles and binds
     graph = torch.cuda.CUDAGraph()

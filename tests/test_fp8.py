@@ -10,7 +10,7 @@ import torch
 
 import paged_backend as pb
 from paged_backend.cascade.plan import CascadeCost
-from paged_backend.kernels.dispatch import INTERPRET
+from paged_backend.kernels.dispatch import INTERPRET, num_sms
 from tests.paged_inputs import make_block_table
 from tests.reference import assert_close_state, decode_reference, prefill_reference
 
@@ -38,15 +38,16 @@ def _fp8_cache(num_blocks, kv_dtype, device, k_scale=0.05, v_scale=0.02, seed=0)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_dtype", FP8)
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("planned", [True, False])
+@pytest.mark.parametrize("planned", [2, 3, 0], ids=["2-an-sm", "3-an-sm", "no-plan"])
 def test_decode(device, kv_dtype, q_dtype, planned):
+    """Plans of 2 and 3 programs an SM (fp8 plans on Hopper: the portable kernel's other tiles) and none."""
     lens = [1, 37, 200, 5, 64, 0]
     k, v, scales, k_deq, v_deq = _fp8_cache(40, kv_dtype, device)
     bt = make_block_table(lens, BS, 40, device=device)
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     q = torch.randn(len(lens), HQ, D, device=device).to(q_dtype)
     plan = pb.plan_decode(np.array(lens), num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BS,
-                          device=device) if planned else None
+                          device=device, num_programs=num_sms(torch.device(device)) * planned) if planned else None
     out, lse = pb.paged_decode(q, k, v, bt, sl, plan=plan, **scales)
     assert out.dtype == q_dtype
     assert_close_state(out, lse, *decode_reference(q, k_deq, v_deq, bt, sl), q_dtype, TOL[q_dtype])

@@ -182,14 +182,15 @@ def _prefill_call(hq, hkv, d, causal, sinks):
                                 causal, out, lse, cfg, sinks=s)
 
 
-def _decode_call(hq, hkv, d, kv_dtype):
-    """The Hopper decode: a 4K request cut over programs and a short one, bf16 queries."""
+def _decode_call(hq, hkv, d, kv_dtype, per_sm=2):
+    """The Hopper decode: a 4K request cut over programs and a short one, bf16 queries; a plan of
+    ``per_sm`` programs an SM (the CPU's 4 "SMs": its register budget)."""
     import paged_backend as pb
     from paged_backend.kernels.decode_sm90 import covered, decode_sm90
     bs, lens = 16, [4096, 77]
     pages = sum(-(-n // bs) for n in lens)
     plan = pb.plan_decode(np.array(lens), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                          device=torch.device("cpu"))
+                          device=torch.device("cpu"), num_programs=4 * per_sm)
     q = torch.zeros(2, hq, d, dtype=torch.bfloat16 if kv_dtype.itemsize == 1 else kv_dtype)
     k = torch.zeros(pages, bs, hkv, d, dtype=kv_dtype)
     table = torch.arange(2 * pages, dtype=torch.int32).reshape(2, pages) % pages
@@ -204,6 +205,9 @@ def _decode_call(hq, hkv, d, kv_dtype):
 SM90_CASES = {
     "decode d128 g4 e4m3": lambda: _decode_call(32, 8, 128, torch.float8_e4m3fn),
     "decode d64 g16 e5m2": lambda: _decode_call(16, 1, 64, torch.float8_e5m2),
+    "decode d128 g4 e4m3 3/SM": lambda: _decode_call(32, 8, 128, torch.float8_e4m3fn, 3),
+    "decode d128 g16 e4m3 3/SM": lambda: _decode_call(32, 2, 128, torch.float8_e4m3fn, 3),
+    "decode d64 g8 e5m2 3/SM": lambda: _decode_call(32, 4, 64, torch.float8_e5m2, 3),
     "decode d128 g4 bf16": lambda: _decode_call(32, 8, 128, torch.bfloat16),
     "decode d64 g1 fp16": lambda: _decode_call(8, 8, 64, torch.float16),
     "cascade_node d128 g4": lambda: _node_call(32, 8, 128, 0.0),

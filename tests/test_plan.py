@@ -4,6 +4,7 @@ from itertools import accumulate
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -140,6 +141,7 @@ def test_more_programs_than_units():
     (dict(num_programs=0), ValueError, "num_programs"),
     (dict(num_kv_heads=0), ValueError, "num_kv_heads"),
     (dict(block_n=48), ValueError, "block_n"),
+    (dict(kv_dtype="fp8"), TypeError, "kv_dtype"),
 ])
 def test_bad_arguments(bad, err, match):
     args = dict(seq_lens_cpu=[5, 6], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, device="cpu")
@@ -147,6 +149,23 @@ def test_bad_arguments(bad, err, match):
     seq = args.pop("seq_lens_cpu")
     with pytest.raises(err, match=match):
         pb.plan_decode(seq, **args)
+
+
+@pytest.mark.parametrize("kw,per_sm", [
+    (dict(kv_dtype=torch.float8_e4m3fn), 3), (dict(kv_dtype=torch.uint8), 3),  # (vLLM's fp8 spec: uint8)
+    (dict(), 2), (dict(kv_dtype=torch.bfloat16), 2),
+    (dict(kv_dtype=torch.float8_e5m2, window=128), 2),  # windows: the portable kernel
+    (dict(kv_dtype=torch.float8_e4m3fn, num_q_heads=64, num_kv_heads=2), 2),  # group 32: the portable kernel
+    (dict(kv_dtype=torch.float8_e4m3fn, block_size=8), 2),
+])
+def test_fp8_plans_take_three_programs_an_sm_where_the_hopper_kernel_runs_them(monkeypatch, kw, per_sm):
+    from paged_backend import decode_plan
+    monkeypatch.setattr(decode_plan, "use_sm90", lambda device: True)
+    args = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cpu")
+    plan = pb.plan_decode([300, 5000], **{**args, **kw})
+    assert plan.num_programs == 4 * per_sm  # (4 "SMs" on the CPU)
+    monkeypatch.setattr(decode_plan, "use_sm90", lambda device: False)  # elsewhere: always 2
+    assert pb.plan_decode([300, 5000], **{**args, **kw}).num_programs == 8
 
 
 def test_update_rejects_other_batch_size():

@@ -98,6 +98,7 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
                           head_dim=kv_cache_spec.head_size, block_size=kv_cache_spec.block_size, device=device)
         # the cascade cost model counts the cache's bytes (fp8: 1 a value, and no Hopper kernel lists)
         self.cascade_cost = CascadeCost(kv_elem_bytes=kv_cache_spec.dtype.itemsize)
+        self.kv_dtype = kv_cache_spec.dtype  # (fp8 plans take more programs on Hopper: pb.plan_decode)
         # A cascade plan attends the lengths it was made for (a DecodePlan's kernels clamp by the
         # device lengths): under speculative decoding vLLM's host lengths are only upper bounds.
         self.cascade = os.environ.get("PAGED_BACKEND_CASCADE", "1") != "0" and vllm_config.speculative_config is None
@@ -198,7 +199,7 @@ class PagedMetadataBuilder(AttentionMetadataBuilder[PagedAttentionMetadata]):
             if plan is not None and plan.batch_size == nd:
                 plans[w] = plan.update(lens)
                 continue
-            plan = plans[w] = pb.plan_decode(lens, window=w, **self.shape)
+            plan = plans[w] = pb.plan_decode(lens, window=w, kv_dtype=self.kv_dtype, **self.shape)
             if graphable:
                 self._graph_plans[nd, w] = plan
             else:

@@ -76,7 +76,7 @@ class Ours:
             kw.update(k_scale=inp.k_scale, v_scale=inp.v_scale)
         shape = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device=q.device, window=inp.window)
         if inp.op == "decode":
-            plan = pb.plan_decode(inp.host_lens(), **shape)
+            plan = pb.plan_decode(inp.host_lens(), kv_dtype=k.dtype, **shape)
             return pb.paged_decode(q, k, v, inp.block_table, inp.seq_lens, plan=plan, **kw)
         if inp.op == "prefill":
             return pb.paged_prefill(q, k, v, inp.block_table, inp.seq_lens, inp.query_start_loc, causal=inp.causal,
