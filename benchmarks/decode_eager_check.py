@@ -11,8 +11,9 @@ split plan (``split``), both through ``pb.paged_decode(..., plan=plan)`` as benc
 
   graph     do_bench of one CUDA graph holding >= 10 calls (input sets cycled), per call: GPU time
   eager1/2  triton.testing.do_bench of eager calls (an L2 flush by a 256 MB memset before each timed
-            call: bench_decode's eager cell until 2026-11-29, common.flush_l2's read since), two rounds in the order sk, split, sk, split (B1x8K sk
-            first in the process): a gap that is not the same in both rounds is the measurement
+            call: bench_decode's eager cell until 2026-11-29, common.flush_l2's read since), two rounds
+            in the order sk, split, sk, split (B1x8K sk first in the process): a gap that is not the
+            same in both rounds is the measurement
   eager_pre do_bench's timed loop with its timing events made and recorded before the loop
   host      perf_counter around the submission of 1000 eager calls, 10 chunks of 100 with a sync
             between chunks (the launch queue never fills): host time per call

@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from paged_backend.decode_plan import PROGRAMS_PER_SM
 from paged_backend.kernels.attend import (LOG2E, add_sink, attend_paged_range, dequantized, fast_tanh, fp8_mma_f16,
                                           mma_operand, sink_states, soft_cap)
-from paged_backend.decode_plan import PROGRAMS_PER_SM
 from paged_backend.kernels.dispatch import num_sms, use_pdl, use_sm90
 from paged_backend.kernels.launch import Relaunch, launch, pow2, replay_stream
 
