@@ -302,8 +302,7 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
             # but the plan's own tiles where it has 3+ programs an SM (fp8 plans on Hopper, for calls the Hopper
             # kernel does not take), so that they fit at once (H200, B8x32K: 215.2 us at 2 an SM, 277.6 at 3
             # with 128 tokens a tile, 222.0 with 64; B4x2K 18.2 / 25.6 / 16.1; sweeps/decode_fp8_programs_h200.log)
-            crowded = plan.target_programs > PROGRAMS_PER_SM * num_sms(q.device)
-            tile_n, stages = (plan.block_n if crowded else 2 * plan.block_n), 3
+            tile_n, stages = (plan.block_n if plan.programs_an_sm > PROGRAMS_PER_SM else 2 * plan.block_n), 3
         decode = run_pieces(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan.partial_o, plan.partial_lse,
                             plan.work, plan.prog_ptr, plan.num_programs, tile_n, scale, pdl, num_stages=stages,
                             softcap=softcap, sinks=sinks, window=plan.window or 0, scales=scales)

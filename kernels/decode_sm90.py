@@ -49,7 +49,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from paged_backend.kernels.attend_sm90 import (alloc_ring, attend_swapped, descriptors, finish_swapped, io_layout,
                                                load_range, swapped_layout)
 from paged_backend.kernels.attend_sm90 import covered as covered_sm90  # (this module's covered adds the plan's terms)
-from paged_backend.kernels.dispatch import SM90_DECODE_GROUP, num_sms
+from paged_backend.kernels.dispatch import SM90_DECODE_GROUP
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
 
 # (keys a K/V tile, ring stages of an fp8 cache at two programs an SM: half as many for 16-bit ones,
@@ -198,7 +198,7 @@ def decode_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scal
     hq, d = q.shape[1], q.shape[2]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    per_sm = min(-(-plan.target_programs // num_sms(q.device)), 4)
+    per_sm = min(plan.programs_an_sm, 4)
     block_n, stages = TILE[0], TILE[1] // (1 if per_sm <= 2 else 2)
     stages = max(1, stages // k_cache.element_size())  # 16-bit: the same bytes in flight
     box = min(bs, block_n)

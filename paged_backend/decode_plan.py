@@ -280,6 +280,12 @@ class DecodePlan:
         return self.target_programs
 
     @property
+    def programs_an_sm(self) -> int:
+        """The partition's programs per SM of its device, rounded up: what its launches size their
+        registers and rings by (kernels/decode.py, kernels/decode_sm90.py)."""
+        return -(-self.target_programs // num_sms(self.device))
+
+    @property
     def max_pieces(self) -> int:
         return self.target_programs + self.batch_size * self.num_kv_heads
 

@@ -163,7 +163,7 @@ def test_fp8_plans_take_three_programs_an_sm_where_the_hopper_kernel_runs_them(m
     monkeypatch.setattr(decode_plan, "use_sm90", lambda device: True)
     args = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cpu")
     plan = pb.plan_decode([300, 5000], **{**args, **kw})
-    assert plan.num_programs == 4 * per_sm  # (4 "SMs" on the CPU)
+    assert plan.num_programs == 4 * per_sm and plan.programs_an_sm == per_sm  # (4 "SMs" on the CPU)
     monkeypatch.setattr(decode_plan, "use_sm90", lambda device: False)  # elsewhere: always 2
     assert pb.plan_decode([300, 5000], **{**args, **kw}).num_programs == 8
 
