@@ -3,7 +3,8 @@ step) and paged prefill with each feature against the same call without it, in o
 
     python3 benchmarks/bench_softcap_sinks.py [--out R.json] [--md R.md]
 
-bf16, Hq 32, Hkv 8, D 128, page 16, softcap 30 (Gemma 2's 50 would rarely cap), sinks [Hq].
+bf16, Hq 32, Hkv 8, D 128, page 16, softcap 30 (Gemma 2's 50 would rarely cap), sinks [Hq]; the
+"fp8" decode cases read an e4m3 cache (bf16 queries, scales 1.0).
 Target (issue #20): each feature <= 3% over plain decode. Prefill is reported too (the cap's
 tanh is in the score tile of a compute-bound kernel).
 """
@@ -23,7 +24,8 @@ import paged_backend as pb  # noqa: E402
 BENCH = "softcap_sinks"
 K = 1024
 HQ, HKV, D, BS = 32, 8, 128, 16
-DECODE = {"B8x32K": [32 * K] * 8, "B64x4K": [4 * K] * 64, "ragged16": [128 * K] + [K] * 15, "B1x8K": [8 * K]}
+DECODE = {"B8x32K": [32 * K] * 8, "B64x4K": [4 * K] * 64, "ragged16": [128 * K] + [K] * 15, "B1x8K": [8 * K],
+          "fp8 B8x32K": [32 * K] * 8, "fp8 ragged16": [128 * K] + [K] * 15}
 PREFILL = {"1x8K": ([8 * K], [8 * K]), "2K chunk over 30K": ([2 * K], [32 * K])}
 FEATURES = {"plain": {}, "softcap": {"softcap": 30.0}, "sinks": {"sinks": True},
             "both": {"softcap": 30.0, "sinks": True}}
@@ -39,9 +41,10 @@ def kwargs(feature: str, device) -> dict:
 def decode_rows(device) -> list[dict]:
     rows = []
     for name, lens in DECODE.items():
-        inp = C.make_paged_inputs(lens, HQ, HKV, D, BS, torch.bfloat16, device)
+        kv_dtype = torch.float8_e4m3fn if name.startswith("fp8") else None
+        inp = C.make_paged_inputs(lens, HQ, HKV, D, BS, torch.bfloat16, device, kv_dtype=kv_dtype)
         plan = pb.plan_decode(np.asarray(lens), num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BS,
-                              device=device)
+                              device=device, kv_dtype=kv_dtype)
         row = {"op": "decode", "case": name}
         for feature in FEATURES:
             kw = kwargs(feature, device)
@@ -89,7 +92,8 @@ def main():
                         + [f"{r[f]:.1f} ({r[f + '_overhead_pct']:+.1f}%)" for f in ("softcap", "sinks", "both")]
                         for r in rows])
     text = (f"## Soft-capping and sinks: cost over plain attention ({C.gpu_name()}, {C.now()})\n\n"
-            f"bf16, Hq {HQ}, Hkv {HKV}, D {D}, page {BS}; decode in CUDA graphs, prefill eager.\n\n{table}\n")
+            f"bf16 (fp8 rows: an e4m3 cache), Hq {HQ}, Hkv {HKV}, D {D}, page {BS}; decode in CUDA graphs, "
+            f"prefill eager.\n\n{table}\n")
     C.write_md_section(args.md, BENCH, text)
     print(text)
 

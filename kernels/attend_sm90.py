@@ -85,19 +85,34 @@ def release_tiles(k_ready, v_ready, k_empty, v_empty, it, n_tiles, STAGES: gl.co
 
 
 @gluon.jit
+def soft_cap(s, qk_scale, cap):
+    """Raw scores -> ``cap * tanh(s * qk_scale / cap)``, the soft-capped scores in the exp2 domain
+    (``cap = softcap * log2(e)``), with the hardware's ``tanh.approx`` as the portable kernels take it for
+    half-precision inputs."""
+    return cap * gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [s * (qk_scale / cap)],
+                                           dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def sink_scale(lse, sink):
+    """-> (factor, lse'): a state's output factor ``exp(lse - lse')`` and its new lse once a key of logit
+    ``sink`` and value 0 joins it (logaddexp, ``sink`` finite); an empty state (lse -inf) gives 0 and ``sink``."""
+    new = gl.maximum(lse, sink) + gl.log(1.0 + gl.exp(-gl.abs(lse - sink)))
+    return gl.exp(lse - new), new
+
+
+@gluon.jit
 def _softmax_tile(s_acc, m_i, l_i, qk_scale, cap, keys, pos, hi, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
                   SOFTCAP: gl.constexpr):
     """Online-softmax update of one tile of raw scores ``s_acc [ROWS, BLOCK_N]`` (m, l in the exp2
     domain); ``MASKED``: keys at or past ``hi`` (and, ``CAUSAL``, past the row's position) are masked.
     The row maximum is taken of the raw scores and scaled once, so that each score costs one FMA
     before its exp2 (scaling every score first measured 4.5-5.4% slower at 240 registers, H100).
-    ``SOFTCAP``: scores are soft-capped first, ``cap * tanh(s * qk_scale / cap)`` with the hardware's
-    ``tanh.approx`` as the portable kernels take it for half-precision inputs (``cap = softcap * log2(e)``)."""
+    ``SOFTCAP``: scores are soft-capped first (:func:`soft_cap`)."""
     s = s_acc
     scale = qk_scale
     if SOFTCAP:  # (the tanh bounds the scores: the max is taken of the capped ones)
-        s = cap * gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [s * (qk_scale / cap)],
-                                            dtype=gl.float32, is_pure=True, pack=1)
+        s = soft_cap(s, qk_scale, cap)
         scale = 1.0
     if MASKED:
         ok = keys[None, :] < hi
@@ -211,11 +226,13 @@ def copy_tile(src, dst, n0, hi, ZERO: gl.constexpr):
 
 @gluon.jit
 def attend_swapped(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles, n_full, n0,
-                   hi, qk_scale, D: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                   hi, qk_scale, cap, D: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   SOFTCAP: gl.constexpr):
     """Decode-shaped attention, "swapped" (kernels/decode_sm90.py): the warpgroup's ``NQ`` query heads
     (``q_smem [NQ, D]``, wgmma's N) over ``n_tiles >= 1`` ring tiles ``it ..`` of keys ``n0 ..`` (wgmma's
     M), ``S^T = K Q^T`` and ``O^T += V^T P^T`` (``p_smem [NQ, BLOCK_N]``); tiles from ``n_full`` on are
-    masked at ``hi``; the warpgroup releases each stage it reads (one arrival).
+    masked at ``hi``; the warpgroup releases each stage it reads (one arrival). ``SOFTCAP``: the scores
+    soft-capped first (:func:`soft_cap`, ``cap = softcap * log2(e)``).
     -> (acc [D, NQ] fp32, m [NQ], l [NQ]) in the exp2 domain.
     An fp8 cache's K is converted in registers and its V into ``v16``; a 16-bit cache's tiles are
     the GEMMs' operands as they are (a masked tile's V rows past ``hi`` zeroed in place)."""
@@ -252,13 +269,17 @@ def attend_swapped(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empt
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
         if not F8:
             mbarrier.arrive(k_empty.index(s), count=1)
+        scale = qk_scale
+        if SOFTCAP:  # (the tanh bounds the scores: the max is taken of the capped ones)
+            sc = soft_cap(sc, qk_scale, cap)
+            scale = 1.0
         if masked:
             keys = n0 + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
             sc = gl.where(keys[:, None] < hi, sc, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, 0) * qk_scale)  # qk_scale > 0: the max commutes with it
+        m_new = gl.maximum(m_i, gl.max(sc, 0) * scale)  # scale > 0: the max commutes with it
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exponentiate against 0
         alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(sc * qk_scale - m_use[None, :])
+        p = gl.exp2(sc * scale - m_use[None, :])
         l_acc = l_acc * alpha[None, :] + p
         m_i = m_new
         p_smem.store(gl.permute(p.to(p_smem.dtype), (1, 0)))

@@ -292,10 +292,11 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
             decode(stream, *ptrs)
             fold(stream, *ptrs[5:])
             return
-    view = _sm90_view(q, k_cache, v_cache, plan, softcap, sinks)
+    view = _sm90_view(q, k_cache, v_cache, plan)
     if view is not None:
         from paged_backend.kernels.decode_sm90 import decode_sm90
-        decode = decode_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scale, scales, view, pdl)
+        decode = decode_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scale, scales, view, pdl,
+                             softcap, sinks)
     else:
         tile_n, stages = plan.kernel_tile
         if k_cache.element_size() == 1:  # fp8: twice the tokens a tile (the same bytes), 3 stages (H100 sweep),
@@ -314,12 +315,12 @@ def decode_triton(q, k_cache, v_cache, block_table, seq_lens, plan, scale: float
     remember(plan.launches, key, (decode, fold))
 
 
-def _sm90_view(q, k_cache, v_cache, plan, softcap: float, sinks):
+def _sm90_view(q, k_cache, v_cache, plan):
     """The caches' TMA view where the Hopper decode kernel (kernels/decode_sm90.py) runs the call, else None."""
     if not use_sm90(q.device):
         return None
     from paged_backend.kernels.decode_sm90 import covered
-    return covered(q, k_cache, v_cache, plan, softcap, sinks)
+    return covered(q, k_cache, v_cache, plan)
 
 
 def decode_torch(q, k_cache, v_cache, block_table, seq_lens, scale: float, out, lse, softcap: float = 0.0,

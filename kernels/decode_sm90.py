@@ -46,8 +46,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from paged_backend.kernels.attend import LOG2E
 from paged_backend.kernels.attend_sm90 import (alloc_ring, attend_swapped, descriptors, finish_swapped, io_layout,
-                                               load_range, swapped_layout)
+                                               load_range, sink_scale, swapped_layout)
 from paged_backend.kernels.attend_sm90 import covered as covered_sm90  # (this module's covered adds the plan's terms)
 from paged_backend.kernels.dispatch import SM90_DECODE_GROUP
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
@@ -82,10 +83,11 @@ def _piece(pieces, p):
 
 @gluon.jit
 def _consumer(rows, pieces, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr):
-    """One warpgroup: every piece of this program, in order, into ``out``/``lse`` or its partial slot."""
-    (q_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sm_scale, stride_qb, stride_qh, stride_ob, stride_oh,
-     stride_lb, stride_lh, stride_pop, stride_poh, stride_plp, stride_plh) = rows
+              STAGES: gl.constexpr, SOFTCAP: gl.constexpr, SINKS: gl.constexpr):
+    """One warpgroup: every piece of this program, in order, into ``out``/``lse`` or its partial slot
+    (``SINKS``: the sinks join the states written to ``out``/``lse``; the fold adds them to the others)."""
+    (q_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sinks_ptr, sm_scale, cap, stride_qb, stride_qh,
+     stride_ob, stride_oh, stride_lb, stride_lh, stride_pop, stride_poh, stride_plp, stride_plh) = rows
     prog_ptr = pieces[1]
     q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty = smem
     s_layout: gl.constexpr = swapped_layout(NQ)
@@ -111,12 +113,16 @@ def _consumer(rows, pieces, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.c
         fence_async_shared()
         n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 1)
         acc, m_i, l_i = attend_swapped(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, it,
-                                       n_tiles, (end - start) // BLOCK_N, start, end, qk_scale, D, NQ, BLOCK_N, STAGES)
+                                       n_tiles, (end - start) // BLOCK_N, start, end, qk_scale, cap, D, NQ, BLOCK_N,
+                                       STAGES, SOFTCAP)
         it += n_tiles
         o, lse = finish_swapped(acc, m_i, l_i, v_scale)
         ok = h < GROUP
         if slot < 0:  # the segment's only piece: the output itself
             qh = (kvh * GROUP + h).to(gl.int64)
+            if SINKS:  # a key of logit sinks[h] and value 0: only the denominator grows
+                factor, lse = sink_scale(lse, gl.load(sinks_ptr + qh, mask=ok, other=0.0))
+                o = o * factor[None, :]
             gl.store(out_ptr + b * stride_ob + qh[None, :] * stride_oh + d[:, None], o.to(out_ptr.dtype.element_ty),
                      mask=ok[None, :])
             gl.store(lse_ptr + b * stride_lb + qh * stride_lh, lse, mask=ok)
@@ -146,11 +152,11 @@ def _loader(k_desc, v_desc, bt_ptr, pieces, smem, stride_btb, stride_btn, page_r
 @gluon.jit
 def _decode_sm90_kernel(
     q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,  # a call's own arguments first (relaunch)
-    work_ptr, prog_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sm_scale, max_tokens, page_rows, head_rows, head_cols,
-    oob_row, stride_qb, stride_qh, stride_sl, stride_btb, stride_btn, stride_ob, stride_oh, stride_lb, stride_lh,
-    stride_pop, stride_poh, stride_plp, stride_plh,
+    work_ptr, prog_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sinks_ptr, sm_scale, cap, max_tokens, page_rows, head_rows,
+    head_cols, oob_row, stride_qb, stride_qh, stride_sl, stride_btb, stride_btn, stride_ob, stride_oh, stride_lb,
+    stride_lh, stride_pop, stride_poh, stride_plp, stride_plh,
     GROUP: gl.constexpr, NQ: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-    PAGE_BOX: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+    PAGE_BOX: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr, SOFTCAP: gl.constexpr, SINKS: gl.constexpr,
 ):
     if PDL:  # the fold may launch now: it waits for this grid's writes
         gdc_launch_dependents()
@@ -164,23 +170,23 @@ def _decode_sm90_kernel(
         v16 = v_smem  # (not used: V's tiles are the operand)
     p_smem = gl.allocate_shared_memory(op, [NQ, BLOCK_N], gl.NVMMASharedLayout.get_default_for([NQ, BLOCK_N], op))
     smem = (q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty)
-    rows = (q_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sm_scale, stride_qb, stride_qh, stride_ob,
-            stride_oh, stride_lb, stride_lh, stride_pop, stride_poh, stride_plp, stride_plh)
+    rows = (q_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sinks_ptr, sm_scale, cap, stride_qb, stride_qh,
+            stride_ob, stride_oh, stride_lb, stride_lh, stride_pop, stride_poh, stride_plp, stride_plh)
     pieces = (work_ptr, prog_ptr, seq_lens_ptr, stride_sl, max_tokens)
     gl.warp_specialize([
-        (_consumer, (rows, pieces, smem, GROUP, NQ, D, BLOCK_N, STAGES)),
+        (_consumer, (rows, pieces, smem, GROUP, NQ, D, BLOCK_N, STAGES, SOFTCAP, SINKS)),
         (_loader, (k_desc, v_desc, bt_ptr, pieces, smem, stride_btb, stride_btn, page_rows, head_rows, head_cols,
                    oob_row, BS, BLOCK_N, PAGE_BOX, STAGES)),
     ], [1], [24])
 
 
-def covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan, softcap: float, sinks):
+def covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan):
     """The TMA view of the caches when this kernel runs the call, else None (the portable kernel
     does): what ``attend_sm90.covered`` takes over a cache of the queries' dtype or fp8, with a group of
     at most 16 (the accumulators of larger ones spill in the two-programs-an-SM register budget), a
     plan without a window cut at multiples of the tile with at least ``MIN_TILES_PER_PROGRAM`` tiles a
-    program, no soft-capping or sinks."""
-    if softcap > 0 or sinks is not None or plan.window or plan.block_n % TILE[0]:
+    program; soft-capped or with sinks or not."""
+    if plan.window or plan.block_n % TILE[0]:
         return None
     if q.shape[-2] // k_cache.shape[2] > SM90_DECODE_GROUP:
         return None
@@ -191,10 +197,12 @@ def covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan,
 
 
 def decode_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scale: float, scales, view,
-                pdl: bool):
+                pdl: bool, softcap: float = 0.0, sinks=None):
     """The plan's pieces (``covered`` gave ``view``) into ``out``/``lse`` and the plan's partial slots;
-    ``scales``: an fp8 cache's ``(k_scale, v_scale)`` ``[1]`` fp32 tensors, or ``(None, None)``. -> a
-    relaunch taking the addresses of (q, k_cache, v_cache, block_table, seq_lens, out, lse), or None."""
+    ``scales``: an fp8 cache's ``(k_scale, v_scale)`` ``[1]`` fp32 tensors, or ``(None, None)``;
+    ``softcap`` > 0 soft-caps the scores; ``sinks [Hq]`` fp32 (or None) join the states written to
+    ``out``/``lse`` (the fold's ``sinks`` the folded ones). -> a relaunch taking the addresses of (q,
+    k_cache, v_cache, block_table, seq_lens, out, lse), or None."""
     hq, d = q.shape[1], q.shape[2]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
@@ -207,9 +215,9 @@ def decode_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scal
         _decode_sm90_kernel, (plan.num_programs,), q, *descriptors(k_cache, v_cache, view, box, block_n),
         block_table, seq_lens, out, lse, plan.work, plan.prog_ptr, po, plse,
         *(q if x is None else x for x in scales),  # (16-bit: not read)
-        scale, block_table.shape[1] * bs, *view[2:], view[0],
+        lse if sinks is None else sinks, scale, softcap * LOG2E, block_table.shape[1] * bs, *view[2:], view[0],
         q.stride(0), q.stride(1), seq_lens.stride(0), *block_table.stride(), out.stride(0), out.stride(1),
         *lse.stride(), po.stride(0), po.stride(1), *plse.stride(),
         GROUP=group, NQ=max(8, group), BS=bs, D=d, BLOCK_N=block_n, PAGE_BOX=box, STAGES=stages, PDL=pdl,
-        num_warps=4, maxnreg=MAXNREG[per_sm])
+        SOFTCAP=softcap > 0, SINKS=sinks is not None, num_warps=4, maxnreg=MAXNREG[per_sm])
     return bound and DescriptorRelaunch(bound, 7)

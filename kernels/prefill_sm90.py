@@ -31,7 +31,8 @@ from triton.experimental.gluon import language as gl
 
 from paged_backend.kernels.attend import LOG2E
 from paged_backend.kernels.attend_sm90 import (CONSUMERS, ROWS, alloc_rings, attend_tiles, covered, descriptors,
-                                               finish_state, io_layout, load_range, load_rows, mma_layout)
+                                               finish_state, io_layout, load_range, load_rows, mma_layout,
+                                               sink_scale)
 from paged_backend.kernels.launch import launch, pow2
 
 
@@ -94,10 +95,8 @@ def _consumer_partition(rows, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.const
     row_l = q_begin + tok_l
     ok_l = (tok_l < q_len) & (row_l >= 0) & (row_l < num_tokens)
     if SINKS:  # a key of logit sinks[h] and value 0: only the denominator grows
-        sink = gl.load(sinks_ptr + qh_l, mask=ok_l, other=0.0)
-        new = gl.maximum(lse, sink) + gl.log(1.0 + gl.exp(-gl.abs(lse - sink)))  # logaddexp, sink finite
-        o = o * gl.convert_layout(gl.exp(lse - new), gl.SliceLayout(1, o_layout))[:, None]
-        lse = new
+        factor, lse = sink_scale(lse, gl.load(sinks_ptr + qh_l, mask=ok_l, other=0.0))
+        o = o * gl.convert_layout(factor, gl.SliceLayout(1, o_layout))[:, None]
     gl.store(lse_ptr + row_l.to(gl.int64) * stride_lt + qh_l * stride_lh, lse, mask=ok_l)
     o = gl.convert_layout(o.to(out_ptr.dtype.element_ty), io_layout())
     gl.store(out_ptr + row_io[:, None] * stride_ot + qh_io[:, None] * stride_oh + d_io[None, :], o,

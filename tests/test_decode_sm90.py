@@ -123,13 +123,34 @@ def test_graph_replay_follows_new_lengths(ran, kv_dtype):
     assert all(ran)
 
 
-@pytest.mark.parametrize("kw", [dict(softcap=20.0), dict(window=100), dict(sinks=True), dict(fp32=True)])
+@pytest.mark.parametrize("kv_q", KV_Q[::2] + KV_Q[5:], ids=lambda t: f"{str(t[0])[6:]}-q_{str(t[1])[6:]}")
+@pytest.mark.parametrize("kind", ["softcap", "sinks", "both"])
+def test_softcap_and_sinks(ran, kv_q, kind):
+    """Soft-capped scores (scores far past the cap among them) and sinks of both signs: a request of
+    length 0 (out = 0, lse = sink), short ones written whole by the kernel (it adds the sinks), long ones
+    cut over programs (the fold adds them)."""
+    lens = [0, 1, 63, 1000, 4099, 70000]
+    hq = 32
+    q, k, v, bt, sl, scales, ref_kv = _inputs(lens, hq, 8, 128, 16, *kv_q)
+    kw = {}
+    if kind != "sinks":
+        kw["softcap"] = 5.0
+    if kind != "softcap":
+        kw["sinks"] = torch.linspace(-2.0, 16.0, hq, device="cuda")
+    plan = pb.plan_decode(np.array(lens), num_q_heads=hq, num_kv_heads=8, head_dim=128, block_size=16, device="cuda",
+                          kv_dtype=k.dtype)
+    out, lse = pb.paged_decode(q, k, v, bt, sl, plan=plan, **kw, **scales)
+    assert ran == [True]
+    assert_close_state(out, lse, *decode_reference(q, *ref_kv, bt, sl, **kw), kv_q[1], TOL[kv_q[1]])
+    again = pb.paged_decode(q, k, v, bt, sl, plan=plan, **kw, **scales)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+
+
+@pytest.mark.parametrize("kw", [dict(window=100), dict(fp32=True)])
 def test_what_it_does_not_take_runs_the_portable_kernel(ran, kw):
     lens = [500, 77]
     q_dtype = torch.float32 if kw.pop("fp32", False) else torch.bfloat16
     q, k, v, bt, sl, scales, _ = _inputs(lens, 32, 8, 128, 16, torch.float8_e4m3fn, q_dtype)
-    if kw.get("sinks"):
-        kw = dict(sinks=torch.zeros(32, device="cuda"))
     out, lse = pb.paged_decode(q, k, v, bt, sl, **kw, **scales)
     assert ran == [False] and torch.isfinite(out).all()
 
@@ -141,6 +162,6 @@ def test_small_plans_take_the_portable_kernel():
     for lens, want in (([4096], False), ([65536], True)):
         q, k, v, bt, sl, _, ref_kv = _inputs(lens, 32, 8, 128, 16, torch.bfloat16, torch.bfloat16)
         plan = pb.plan_decode(np.array(lens), **kw)
-        assert (D._sm90_view(q, k, v, plan, 0.0, None) is not None) == want
+        assert (D._sm90_view(q, k, v, plan) is not None) == want
         assert_close_state(*pb.paged_decode(q, k, v, bt, sl, plan=plan), *decode_reference(q, *ref_kv, bt, sl),
                            torch.bfloat16, TOL[torch.bfloat16])

@@ -182,7 +182,7 @@ def _prefill_call(hq, hkv, d, causal, sinks):
                                 causal, out, lse, cfg, sinks=s)
 
 
-def _decode_call(hq, hkv, d, kv_dtype, per_sm=2):
+def _decode_call(hq, hkv, d, kv_dtype, per_sm=2, softcap=0.0, sinks=False):
     """The Hopper decode: a 4K request cut over programs and a short one, bf16 queries; a plan of
     ``per_sm`` programs an SM (the CPU's 4 "SMs": its register budget)."""
     import paged_backend as pb
@@ -196,10 +196,11 @@ def _decode_call(hq, hkv, d, kv_dtype, per_sm=2):
     table = torch.arange(2 * pages, dtype=torch.int32).reshape(2, pages) % pages
     out, lse = torch.empty(2, hq, d, dtype=q.dtype), torch.empty(2, hq)
     scales = (torch.ones(1), torch.ones(1)) if kv_dtype.itemsize == 1 else (None, None)
-    view = covered(q, k, k.clone(), plan, 0.0, None)
+    view = covered(q, k, k.clone(), plan)
     assert view is not None, "not a call the Hopper decode takes"
+    s = torch.zeros(hq) if sinks else None
     return lambda: decode_sm90(q, k, k.clone(), table, torch.tensor(lens, dtype=torch.int32), out, lse, plan,
-                               d ** -0.5, scales, view, True)
+                               d ** -0.5, scales, view, True, softcap, s)
 
 
 SM90_CASES = {
@@ -208,6 +209,8 @@ SM90_CASES = {
     "decode d128 g4 e4m3 3/SM": lambda: _decode_call(32, 8, 128, torch.float8_e4m3fn, 3),
     "decode d128 g16 e4m3 3/SM": lambda: _decode_call(32, 2, 128, torch.float8_e4m3fn, 3),
     "decode d64 g8 e5m2 3/SM": lambda: _decode_call(32, 4, 64, torch.float8_e5m2, 3),
+    "decode d128 g16 e4m3 3/SM softcap sinks": lambda: _decode_call(32, 2, 128, torch.float8_e4m3fn, 3, 30.0, True),
+    "decode d128 g4 bf16 softcap sinks": lambda: _decode_call(32, 8, 128, torch.bfloat16, 2, 30.0, True),
     "decode d128 g4 bf16": lambda: _decode_call(32, 8, 128, torch.bfloat16),
     "decode d64 g1 fp16": lambda: _decode_call(8, 8, 64, torch.float16),
     "cascade_node d128 g4": lambda: _node_call(32, 8, 128, 0.0),
