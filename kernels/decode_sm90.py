@@ -185,7 +185,7 @@ def covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan)
     does): what ``attend_sm90.covered`` takes over a cache of the queries' dtype or fp8, with a group of
     at most 16 (the accumulators of larger ones spill in the two-programs-an-SM register budget), a
     plan without a window cut at multiples of the tile with at least ``MIN_TILES_PER_PROGRAM`` tiles a
-    program; soft-capped or with sinks or not."""
+    program (soft-capping and sinks are the kernel's own: :func:`decode_sm90` takes them)."""
     if plan.window or plan.block_n % TILE[0]:
         return None
     if q.shape[-2] // k_cache.shape[2] > SM90_DECODE_GROUP:
