@@ -141,14 +141,26 @@ def _softmax_step(s_acc, m_i, l_i, qk_scale, cap, keys, pos, hi, n_full, j, CAUS
 
 
 @gluon.jit
+def _operand(p, dtype: gl.constexpr, layout: gl.constexpr, NOW: gl.constexpr):
+    """The probabilities ``p`` as the ``P V`` GEMM's A operand (``dtype``, ``layout``) if ``NOW``, else as they are."""
+    if NOW:
+        p = gl.convert_layout(p.to(dtype), layout)
+    return p
+
+
+@gluon.jit
 def attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles, n_full, n0, hi, pos,
                  qk_scale, cap, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 ZERO_TAIL: gl.constexpr, SOFTCAP: gl.constexpr):
+                 ZERO_TAIL: gl.constexpr, SOFTCAP: gl.constexpr, EARLY_P: gl.constexpr):
     """One warpgroup's ``ROWS`` query rows (``q_tile`` in shared memory) over ``n_tiles >= 1`` key
     tiles from key ``n0`` (ring tiles ``it ..``); tiles from ``n_full`` on are masked (keys ``>= hi``;
     ``CAUSAL``: past ``pos [ROWS]``). ``ZERO_TAIL``: the last tile's V rows at or past ``hi`` may
     hold anything (NaN x 0 is NaN) and are zeroed in shared memory first (every consumer writes the
     same zeros). ``SOFTCAP``: scores soft-capped (``cap = softcap * log2(e)``; see ``_softmax_tile``).
+    ``EARLY_P``: each tile's P becomes the 16-bit GEMM operand right after its softmax, so 32 registers a
+    thread, not 64 fp32, are live across the next tile's ``Q K^T`` (the prefill: its causal 128-key tiles
+    spilled 264 bytes otherwise, and ran 1-9% slower; H200, sweeps/prefill_early_p_h200.log); else at its
+    GEMM (the cascade node kernel: 8192/64/256 45.3 -> 55.9 us with it early).
     -> (acc [ROWS, D] fp32, m [ROWS], l [ROWS]) in the exp2 domain.
 
     FA-3's intra-warpgroup pipeline: ``S_j = Q K_j^T`` is issued before ``P_{j-1} V_{j-1}``, and the
@@ -168,17 +180,19 @@ def attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it,
     s_acc = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False)
     mbarrier.arrive(k_empty.index(s), count=1)
     p, alpha, m_i, l_i = _softmax_step(s_acc, m_i, l_i, qk_scale, cap, n_s, pos, hi, n_full, 0, CAUSAL, SOFTCAP)
+    p = _operand(p, dtype, p_layout, EARLY_P)
     for j in range(1, n_tiles):
         s = (it + j) % STAGES
         sp = (it + j - 1) % STAGES
         mbarrier.wait(k_ready.index(s), ((it + j) // STAGES) & 1)
         s_tok = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(sp), ((it + j - 1) // STAGES) & 1)
-        o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(sp), acc, is_async=True)
+        o_tok = warpgroup_mma(_operand(p, dtype, p_layout, not EARLY_P), v_smem.index(sp), acc, is_async=True)
         s_acc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))  # wgmma groups complete in order
         mbarrier.arrive(k_empty.index(s), count=1)
         p, alpha, m_i, l_i = _softmax_step(s_acc, m_i, l_i, qk_scale, cap, n_s + j * BLOCK_N, pos, hi, n_full, j,
                                            CAUSAL, SOFTCAP)
+        p = _operand(p, dtype, p_layout, EARLY_P)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, ))
         mbarrier.arrive(v_empty.index(sp), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -193,7 +207,7 @@ def attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it,
             keys = n_last + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout()))
             v_tile.store(gl.where(keys[:, None] < hi, v, gl.zeros_like(v)))
             fence_async_shared()
-    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc)
+    acc = warpgroup_mma(_operand(p, dtype, p_layout, not EARLY_P), v_tile, acc)
     mbarrier.arrive(v_empty.index(s), count=1)
     return acc, m_i, l_i
 

@@ -131,7 +131,7 @@ def _node_consumer_partition(rows, pieces, WG: gl.constexpr, GROUP: gl.constexpr
             load_rows(q_tile, q_ptr, req, kvh * GROUP + head, ok, stride_qb, stride_qh, D)
             acc, m_i, l_i = attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles,
                                          (end - start) // BLOCK_N, start, end, loc_s, qk_scale, cap, D, BLOCK_N,
-                                         STAGES, False, TAILS, SOFTCAP)
+                                         STAGES, False, TAILS, SOFTCAP, False)
             o, lse = finish_state(acc, m_i, l_i)  # [ROWS, D] in the accumulator's layout, [ROWS] in the scores'
             mem_o = m0 + loc_o // GP
             ok_o = (mem_o < n_in) & (loc_o % GP < GROUP)

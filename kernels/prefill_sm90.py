@@ -87,7 +87,7 @@ def _consumer_partition(rows, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.const
     pos = off + gl.minimum(t0 + WG * TOKS + r_s // GROUP, t_last)
     acc, m_i, l_i = attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 0, n_tiles, n_full, 0,
                                  seq_len, pos, sm_scale * 1.4426950408889634, cap, D, BLOCK_N, STAGES, CAUSAL, True,
-                                 SOFTCAP)
+                                 SOFTCAP, True)
     o, lse = finish_state(acc, m_i, l_i)
 
     tok_l = t0 + WG * TOKS + r_s // GROUP
