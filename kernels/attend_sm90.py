@@ -85,12 +85,17 @@ def release_tiles(k_ready, v_ready, k_empty, v_empty, it, n_tiles, STAGES: gl.co
 
 
 @gluon.jit
-def soft_cap(s, qk_scale, cap):
-    """Raw scores -> ``cap * tanh(s * qk_scale / cap)``, the soft-capped scores in the exp2 domain
-    (``cap = softcap * log2(e)``), with the hardware's ``tanh.approx`` as the portable kernels take it for
-    half-precision inputs."""
-    return cap * gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [s * (qk_scale / cap)],
-                                           dtype=gl.float32, is_pure=True, pack=1)
+def soft_cap(s, qk_scale, cap, SOFTCAP: gl.constexpr):
+    """Raw scores -> (scores, their scale to the exp2 domain): ``(s, qk_scale)``, or with ``SOFTCAP``
+    ``(cap * tanh(s * qk_scale / cap), 1)``, the soft-capped scores in the exp2 domain (``cap = softcap *
+    log2(e)``), with the hardware's ``tanh.approx`` as the portable kernels take it for half-precision
+    inputs. (The tanh bounds the scores: a maximum is taken of the capped ones.)"""
+    scale = qk_scale
+    if SOFTCAP:
+        s = cap * gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [s * (qk_scale / cap)],
+                                            dtype=gl.float32, is_pure=True, pack=1)
+        scale = 1.0
+    return s, scale
 
 
 @gluon.jit
@@ -109,11 +114,7 @@ def _softmax_tile(s_acc, m_i, l_i, qk_scale, cap, keys, pos, hi, MASKED: gl.cons
     The row maximum is taken of the raw scores and scaled once, so that each score costs one FMA
     before its exp2 (scaling every score first measured 4.5-5.4% slower at 240 registers, H100).
     ``SOFTCAP``: scores are soft-capped first (:func:`soft_cap`)."""
-    s = s_acc
-    scale = qk_scale
-    if SOFTCAP:  # (the tanh bounds the scores: the max is taken of the capped ones)
-        s = soft_cap(s, qk_scale, cap)
-        scale = 1.0
+    s, scale = soft_cap(s_acc, qk_scale, cap, SOFTCAP)
     if MASKED:
         ok = keys[None, :] < hi
         if CAUSAL:
@@ -283,10 +284,7 @@ def attend_swapped(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empt
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
         if not F8:
             mbarrier.arrive(k_empty.index(s), count=1)
-        scale = qk_scale
-        if SOFTCAP:  # (the tanh bounds the scores: the max is taken of the capped ones)
-            sc = soft_cap(sc, qk_scale, cap)
-            scale = 1.0
+        sc, scale = soft_cap(sc, qk_scale, cap, SOFTCAP)
         if masked:
             keys = n0 + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
             sc = gl.where(keys[:, None] < hi, sc, float("-inf"))
