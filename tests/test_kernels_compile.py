@@ -123,10 +123,13 @@ class _Sm90Driver:
         return 0
 
 
+SM90_SHARED_BYTES = 227 * 1024  # the most shared memory a program may opt into on sm_90
+
+
 @pytest.fixture
 def sm90_compiled(monkeypatch):
     """Every Triton/Gluon launch in the test compiled for sm_90a, not run -> the list of (kernel name,
-    ptxas's resource line) it fills."""
+    ptxas's resource line, shared memory bytes) it fills."""
     if triton_release() not in SM90_TRITON:
         why = (f"the Gluon kernels are checked on Triton {', '.join(SM90_TRITON)}, this is {triton.__version__} "
                "(bash tests/compile_sm90.sh runs these with one)")
@@ -139,7 +142,7 @@ def sm90_compiled(monkeypatch):
 
     def compile_only(self, *args, grid, warmup, **kw):
         kernel = run(self, *args, grid=grid, warmup=True, **kw)
-        out.append((self.__name__, ptxas_info(kernel.asm["ptx"])))
+        out.append((self.__name__, ptxas_info(kernel.asm["ptx"]), kernel.metadata.shared))
 
     monkeypatch.setattr(JITFunction, "run", compile_only)
     monkeypatch.setattr(fused, "use_sm90", lambda device: True)  # plans cut for the Hopper kernel
@@ -222,10 +225,12 @@ SM90_CASES = {
 
 @pytest.mark.parametrize("case", list(SM90_CASES))
 def test_gluon_kernels_compile_for_sm90_without_spills(sm90_compiled, case):
-    """Each Hopper kernel compiles for sm_90a and spills nothing. (The causal 128-key prefill spilled 128 +
+    """Each Hopper kernel compiles for sm_90a, spills nothing and fits a program's shared memory on the
+    H100/H200 (227 KiB: a launch over it fails only on the GPU). (The causal 128-key prefill spilled 128 +
     136 bytes until its P became the 16-bit operand right after each softmax: attend_tiles' EARLY_P.)"""
     SM90_CASES[case]()()
     assert sm90_compiled, "no kernel launch compiled"
-    for name, info in sm90_compiled:
+    for name, info, shared in sm90_compiled:
         spills = [int(n) for n in re.findall(r"(\d+) bytes spill", info)]
         assert len(spills) == 2 and not any(spills), (name, info)
+        assert shared <= SM90_SHARED_BYTES, (name, shared)
