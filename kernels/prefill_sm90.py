@@ -4,10 +4,14 @@ Same contract as :mod:`paged_backend.kernels.prefill` (rows, causal alignment, n
 the tile list without a host sync), written in Gluon so that the kernel controls what Triton's
 compiler does not let a ``tl.dot`` kernel control (FlashAttention-3's structure):
 
-- a **loader** warp streams the request's K/V pages with TMA into a ring of ``STAGES`` shared
-  tiles (``BLOCK_N`` keys = ``BLOCK_N // PAGE_BOX`` page boxes each), signalling ``k_ready`` /
-  ``v_ready`` mbarriers; it refills a K (V) stage once both consumers' GEMMs read it (``k_empty``,
-  ``v_empty``);
+- persistent programs, one an SM, over work items (a tile of ``TOK`` query tokens x one KV head):
+  each program's **loader** warp claims items from a counter (greedy, heaviest first: a program
+  that finishes early takes more, as the hardware would schedule one program an item, without a
+  program's start-up and end each time), hands each item's fields to the consumers through a shared
+  slot, and streams its K/V pages with TMA into a ring of ``STAGES`` shared tiles (``BLOCK_N`` keys
+  = ``BLOCK_N // PAGE_BOX`` page boxes each), signalling ``k_ready`` / ``v_ready`` mbarriers; it
+  refills a K (V) stage once both consumers' GEMMs read it (``k_empty``, ``v_empty``), running
+  ahead into the next item while the consumers finish one;
 - two **consumer** warpgroups own 64 query rows each (``TOK`` tokens x ``GROUP`` heads of one KV
   head) and run ``S = Q K^T`` and ``O += P V`` on the tensor cores (wgmma: Q and K, V from shared
   memory, P from registers). Within a warpgroup, tile ``j``'s ``Q K^T`` is issued before tile
@@ -28,11 +32,14 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from paged_backend.kernels.attend import LOG2E
-from paged_backend.kernels.attend_sm90 import (CONSUMERS, ROWS, alloc_rings, attend_tiles, covered, descriptors,
-                                               finish_state, io_layout, load_range, load_rows, mma_layout,
+from paged_backend.kernels.attend_sm90 import (CONSUMERS, ROWS, alloc_ring, attend_tiles, covered, descriptors,
+                                               finish_state, io_layout, load_range, load_rows, mma_layout, _GL_DTYPES,
                                                sink_scale)
+from paged_backend.kernels.dispatch import num_sms
 from paged_backend.kernels.launch import launch, pow2
 
 
@@ -48,48 +55,195 @@ def _find_tile(qsl_ptr, stride_qsl, batch, pid, TOK: gl.constexpr, BLOCK_B: gl.c
         ib = b0 + offs_b
         start = gl.load(qsl_ptr + ib.to(gl.int64) * stride_qsl, mask=ib <= batch, other=0)
         cnt += ((start // TOK + ib <= pid) & (ib <= batch)).to(gl.int32)
-    return gl.sum(cnt, 0) - 1
+    return _uniform(gl.sum(cnt, 0) - 1)
 
 
 @gluon.jit
-def _load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, bt_row_ptr, stride_btn,
-                    seq_len, n_tiles, kvh, page_rows, head_rows, head_cols, oob_row,
-                    BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: TMA loads of the request's K/V tiles ``0 .. n_tiles`` into their rings."""
-    load_range(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 0, n_tiles, bt_row_ptr, stride_btn,
-               0, seq_len, kvh, kvh * head_cols, page_rows, head_rows, oob_row, BS, BLOCK_N, PAGE_BOX, STAGES)
+def _uniform(x):
+    """``x``, the same in every lane, as a broadcast from lane 0 (what Triton does for warp ids), so that ptxas
+    knows it is: a reduction's or a shared-memory load's result is not to it, and then everything derived from
+    it (a request's rows and lengths, page loads, TMA coordinates, loop bounds) runs in vector registers, with an
+    R2UR before every TMA and wgmma operand and a divergence check on every branch - 45% more code, and the
+    persistent kernel 20-25% slower than one program a tile (sweeps/prefill_persistent_h200.log)."""
+    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, -1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=True, pack=1)
 
 
 @gluon.jit
-def _consumer_partition(rows, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, SINKS: gl.constexpr, SOFTCAP: gl.constexpr):
-    """One warpgroup: rows ``WG * ROWS ..`` of the tile (``ROWS // GROUP`` tokens x ``GROUP`` heads)."""
+def _item(meta, i, HKV: gl.constexpr, TOK: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr,
+          CAUSAL: gl.constexpr, num_warps: gl.constexpr):
+    """Work item ``i`` (query tile ``i // Hkv`` of the requests' tiles laid end to end, KV head ``i % Hkv``)
+    -> (live, b, kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full); items past a request's
+    tiles are not live. A causal request's heaviest tiles come first."""
+    qsl_ptr, seq_lens_ptr, stride_qsl, stride_sl, batch, max_tokens = meta
+    x = i // HKV
+    kvh = i % HKV
+    b = _find_tile(qsl_ptr, stride_qsl, batch, x, TOK, BLOCK_B, num_warps)
+    b64 = b.to(gl.int64)  # the metadata vectors are read with their strides (any views of wider buffers)
+    q_begin = gl.load(qsl_ptr + b64 * stride_qsl)
+    q_len = gl.load(qsl_ptr + (b64 + 1) * stride_qsl) - q_begin
+    n_q = gl.cdiv(q_len, TOK)
+    local = x - (q_begin // TOK + b)
+    live = local < n_q
+    if CAUSAL:
+        local = n_q - 1 - local  # heaviest tiles of a request first
+    seq_len = gl.minimum(gl.load(seq_lens_ptr + b64 * stride_sl, mask=live, other=0), max_tokens)
+    off = gl.maximum(seq_len - q_len, 0)
+    t0 = local * TOK
+    if CAUSAL:
+        hi = gl.minimum(off + gl.minimum(t0 + TOK, q_len), seq_len)
+        n_full = (off + t0 + 1) // BLOCK_N  # tiles every row sees whole, all below the length
+    else:
+        hi = seq_len
+        n_full = seq_len // BLOCK_N
+    n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # one tile even without keys: nobody waits forever
+    n_full = gl.minimum(n_full, seq_len // BLOCK_N)
+    return live, b64, kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full
+
+
+FIELDS = gl.constexpr(8)  # an item as the loader hands it: kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full
+
+
+@gluon.constexpr_function
+def _slot_layout(num_warps):
+    """A slot's fields all in each thread: one thread stores them (the one that then arrives on the barrier
+    that publishes them), and every thread reads its fields without shuffles."""
+    return gl.BlockedLayout([FIELDS], [32], [num_warps], [0])
+
+
+@gluon.jit
+def _hand(slots, k_ready, k_empty, it, fields, STAGES: gl.constexpr):
+    """The loader: an item's ``fields`` (``n_tiles`` 0: no more items) to the consumers at ring tile ``it``
+    (the item's first K tile), in that stage's slot once the stage is free (both consumers read the slot
+    before they released it). The TMA completing the tile's ``k_ready`` barrier publishes the slot; the end
+    arrives on it itself."""
+    s = it % STAGES
+    mbarrier.wait(k_empty.index(s), ((it // STAGES) & 1) ^ 1)
+    layout: gl.constexpr = _slot_layout(gl.num_warps())
+    k = gl.arange(0, FIELDS, layout=layout)
+    v = gl.zeros([FIELDS], gl.int32, layout)
+    for j in gl.static_range(FIELDS):
+        v = gl.where(k == j, fields[j], v)
+    slots.index(s).store(v)
+    if fields[6] == 0:
+        mbarrier.arrive(k_ready.index(s), count=1)
+
+
+@gluon.jit
+def _field(v, k, j: gl.constexpr):
+    return _uniform(gl.sum(gl.where(k == j, v, 0), 0))
+
+
+@gluon.jit
+def _handed(slots, k_ready, it, STAGES: gl.constexpr):
+    """A consumer: the fields of the item the loader handed at ring tile ``it`` (``n_tiles`` 0: no more)."""
+    s = it % STAGES
+    mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
+    layout: gl.constexpr = _slot_layout(gl.num_warps())
+    v = slots.index(s).load(layout)
+    k = gl.arange(0, FIELDS, layout=layout)
+    return (_field(v, k, 0), _field(v, k, 1), _field(v, k, 2), _field(v, k, 3), _field(v, k, 4), _field(v, k, 5),
+            _field(v, k, 6), _field(v, k, 7))
+
+
+@gluon.jit
+def _load_q(q_load, n, tok, kvh):
+    """The loader: the ``n``-th live item's query rows (``TOKS`` tokens from ``tok`` x ``GROUP`` heads of KV head
+    ``kvh`` a consumer) into Q buffer ``n % 2`` once both consumers are done with its last item."""
+    q_desc, q_smem, q_ready, q_empty = q_load
+    TOKS: gl.constexpr = q_desc.block_type.shape[0]
+    GROUP: gl.constexpr = q_desc.block_type.shape[1]
+    D: gl.constexpr = q_desc.block_type.shape[2]
+    j = n % 2
+    mbarrier.wait(q_empty.index(j), ((n // 2) & 1) ^ 1)
+    mbarrier.expect(q_ready.index(j), CONSUMERS * TOKS * GROUP * D * q_desc.dtype.primitive_bitwidth // 8)
+    for w in gl.static_range(CONSUMERS):
+        tile = q_smem.index(j * CONSUMERS + w)._reinterpret(q_desc.dtype, [TOKS, GROUP, D], q_desc.layout)
+        tma.async_copy_global_to_shared(q_desc, [tok + w * TOKS, kvh * GROUP, 0], q_ready.index(j), tile)
+
+
+@gluon.jit
+def _load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, slots, bt_ptr, meta,
+                    counter_ptr, stride_btb, stride_btn, n_items, page_rows, head_rows, head_cols, oob_row, q_load,
+                    TOK: gl.constexpr, BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr,
+                    STAGES: gl.constexpr, BLOCK_B: gl.constexpr, CAUSAL: gl.constexpr, HKV: gl.constexpr,
+                    Q_TMA: gl.constexpr):
+    """One warp: each item's K/V tiles into the rings, running ahead across items. A program's first item is
+    the one of its id; each next one it claims from ``counter`` once the last one's loads are issued, so that
+    programs finishing early take more (greedy, heaviest items first), and hands its id to the consumers."""
+    it = gl.to_tensor(0)
+    n = gl.to_tensor(0)  # live items so far (Q buffer n % 2)
+    i = gl.program_id(0)
+    while i < n_items:
+        live, b, kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full = _item(meta, i, HKV, TOK, BLOCK_N, BLOCK_B,
+                                                                                CAUSAL, 1)
+        if live:
+            if Q_TMA:
+                _load_q(q_load, n, q_begin + t0, kvh)
+                n += 1
+            _hand(slots, k_ready, k_empty, it, (kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full), STAGES)
+            it = load_range(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles,
+                            bt_ptr + b * stride_btb, stride_btn, 0, seq_len, kvh, kvh * head_cols, page_rows,
+                            head_rows, oob_row, BS, BLOCK_N, PAGE_BOX, STAGES)
+        i = gl.num_programs(0) + _uniform(gl.atomic_add(counter_ptr, 1))
+    _hand(slots, k_ready, k_empty, it, (0, 0, 0, 0, 0, 0, 0, 0), STAGES)
+
+
+@gluon.jit
+def _consumer_partition(rows, slots, q_load, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SINKS: gl.constexpr,
+                        SOFTCAP: gl.constexpr, Q_TMA: gl.constexpr):
+    """One warpgroup: rows ``WG * ROWS ..`` (``ROWS // GROUP`` tokens x ``GROUP`` heads) of each item the
+    loader hands; the next item's fields are read before this one's rows are stored."""
     (q_ptr, out_ptr, lse_ptr, sinks_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, sm_scale, cap, q_begin, q_len, num_tokens,
-     t0, off, seq_len, n_tiles, n_full, kvh) = rows
+     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, sm_scale, cap, num_tokens) = rows
+    TOKS: gl.constexpr = ROWS // GROUP
+    TOK: gl.constexpr = CONSUMERS * TOKS
+    s_layout: gl.constexpr = mma_layout(BLOCK_N)
+    _, _, q_ready, q_empty = q_load
+    it = gl.to_tensor(0)
+    n = gl.to_tensor(0)  # items so far (Q buffer n % 2)
+    kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full = _handed(slots, k_ready, it, STAGES)
+    while n_tiles > 0:
+        if Q_TMA:  # the loader's TMA: rows past the request hold its neighbours' (or zeros), never stored
+            q_tile = q_smem.index((n % 2) * CONSUMERS + WG)
+            mbarrier.wait(q_ready.index(n % 2), (n // 2) & 1)
+        else:
+            q_tile = q_smem.index(WG)
+            r_io = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout()))
+            tok_io = t0 + WG * TOKS + r_io // GROUP
+            row_io = q_begin + tok_io
+            ok_io = (tok_io < q_len) & (row_io >= 0) & (row_io < num_tokens)  # (bad metadata: no row out of bounds)
+            load_rows(q_tile, q_ptr, row_io.to(gl.int64), kvh * GROUP + r_io % GROUP, ok_io, stride_qt, stride_qh,
+                      D)
+        # key position of each row (padding rows act as the tile's last token: never without keys)
+        r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        t_last = gl.minimum(t0 + TOK, q_len) - 1
+        pos = off + gl.minimum(t0 + WG * TOKS + r_s // GROUP, t_last)
+        acc, m_i, l_i = attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles, n_full,
+                                     0, seq_len, pos, sm_scale * 1.4426950408889634, cap, D, BLOCK_N, STAGES, CAUSAL,
+                                     True, SOFTCAP, True)
+        it += n_tiles
+        if Q_TMA:
+            mbarrier.arrive(q_empty.index(n % 2), count=1)
+            n += 1
+        o, lse = finish_state(acc, m_i, l_i)
+        nxt = _handed(slots, k_ready, it, STAGES)
+        _store_rows(rows, kvh, q_begin, q_len, t0, o, lse, WG, GROUP, D, BLOCK_N, SINKS)
+        kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full = nxt
+
+
+@gluon.jit
+def _store_rows(rows, kvh, q_begin, q_len, t0, o, lse, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr,
+                BLOCK_N: gl.constexpr, SINKS: gl.constexpr):
+    """A warpgroup's rows of an item: ``o [ROWS, D]`` (fp32) and ``lse [ROWS]`` into ``out`` / ``lse``
+    (``SINKS``: each head's sink joins the state first)."""
+    (_, out_ptr, lse_ptr, sinks_ptr, _, _, _, _, _, _, _, _, _, stride_ot, stride_oh, stride_lt, stride_lh, _, _,
+     num_tokens) = rows
     TOKS: gl.constexpr = ROWS // GROUP
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(D)
-
-    r_io = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout()))
-    d_io = gl.arange(0, D, layout=gl.SliceLayout(0, io_layout()))
-    tok_io = t0 + WG * TOKS + r_io // GROUP
-    qh_io = kvh * GROUP + r_io % GROUP
-    row_io = q_begin + tok_io
-    ok_io = (tok_io < q_len) & (row_io >= 0) & (row_io < num_tokens)  # (bad metadata: no row out of bounds)
-    row_io = row_io.to(gl.int64)
-    q_tile = q_smem.index(WG)
-    load_rows(q_tile, q_ptr, row_io, qh_io, ok_io, stride_qt, stride_qh, D)
-
-    # key position of each row (padding rows act as the tile's last token: never without keys)
     r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    t_last = gl.minimum(t0 + CONSUMERS * TOKS, q_len) - 1
-    pos = off + gl.minimum(t0 + WG * TOKS + r_s // GROUP, t_last)
-    acc, m_i, l_i = attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 0, n_tiles, n_full, 0,
-                                 seq_len, pos, sm_scale * 1.4426950408889634, cap, D, BLOCK_N, STAGES, CAUSAL, True,
-                                 SOFTCAP, True)
-    o, lse = finish_state(acc, m_i, l_i)
-
     tok_l = t0 + WG * TOKS + r_s // GROUP
     qh_l = kvh * GROUP + r_s % GROUP
     row_l = q_begin + tok_l
@@ -98,56 +252,73 @@ def _consumer_partition(rows, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.const
         factor, lse = sink_scale(lse, gl.load(sinks_ptr + qh_l, mask=ok_l, other=0.0))
         o = o * gl.convert_layout(factor, gl.SliceLayout(1, o_layout))[:, None]
     gl.store(lse_ptr + row_l.to(gl.int64) * stride_lt + qh_l * stride_lh, lse, mask=ok_l)
+    r_io = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout()))
+    d_io = gl.arange(0, D, layout=gl.SliceLayout(0, io_layout()))
+    tok_io = t0 + WG * TOKS + r_io // GROUP
+    row_io = q_begin + tok_io
+    ok_io = (tok_io < q_len) & (row_io >= 0) & (row_io < num_tokens)
     o = gl.convert_layout(o.to(out_ptr.dtype.element_ty), io_layout())
-    gl.store(out_ptr + row_io[:, None] * stride_ot + qh_io[:, None] * stride_oh + d_io[None, :], o,
-             mask=ok_io[:, None])
+    gl.store(out_ptr + row_io.to(gl.int64)[:, None] * stride_ot + (kvh * GROUP + r_io % GROUP)[:, None] * stride_oh
+             + d_io[None, :], o, mask=ok_io[:, None])
 
 
 @gluon.jit
 def _prefill_sm90_kernel(
-    q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr, sinks_ptr,
-    sm_scale, cap, num_tokens, batch, max_tokens, page_rows, head_rows, head_cols, oob_row,
+    q_ptr, q_desc, k_desc, v_desc, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr, sinks_ptr, counter_ptr,
+    sm_scale, cap, num_tokens, batch, n_items, max_tokens, page_rows, head_rows, head_cols, oob_row,
     stride_qt, stride_qh, stride_btb, stride_btn, stride_sl, stride_qsl, stride_ot, stride_oh, stride_lt, stride_lh,
     GROUP: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr,
     STAGES: gl.constexpr, BLOCK_B: gl.constexpr, CAUSAL: gl.constexpr, SINKS: gl.constexpr, SOFTCAP: gl.constexpr,
+    HKV: gl.constexpr, Q_TMA: gl.constexpr,
 ):
-    TOK: gl.constexpr = CONSUMERS * ROWS // GROUP  # query tokens per program
-    pid = gl.program_id(0)
-    kvh = gl.program_id(1)
-    b = _find_tile(qsl_ptr, stride_qsl, batch, pid, TOK, BLOCK_B, gl.num_warps())
-    b64 = b.to(gl.int64)  # the metadata vectors are read with their strides (any views of wider buffers)
-    q_begin = gl.load(qsl_ptr + b64 * stride_qsl)
-    q_len = gl.load(qsl_ptr + (b64 + 1) * stride_qsl) - q_begin
-    n_q = gl.cdiv(q_len, TOK)
-    local = pid - (q_begin // TOK + b)
-    if local < n_q:
-        if CAUSAL:
-            local = n_q - 1 - local  # heaviest tiles of a request first
-        seq_len = gl.minimum(gl.load(seq_lens_ptr + b64 * stride_sl), max_tokens)
-        off = gl.maximum(seq_len - q_len, 0)
-        t0 = local * TOK
-        if CAUSAL:
-            hi = gl.minimum(off + gl.minimum(t0 + TOK, q_len), seq_len)
-            n_full = (off + t0 + 1) // BLOCK_N  # tiles every row sees whole, all below the length
-        else:
-            hi = seq_len
-            n_full = seq_len // BLOCK_N
-        n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)  # one tile even without keys: nobody waits forever
-        n_full = gl.minimum(n_full, seq_len // BLOCK_N)
-        bt_row_ptr = bt_ptr + b64 * stride_btb
+    """Persistent, one program an SM: its loader claims items (query tile x KV head) greedily, heaviest first,
+    and runs ahead into the next item's K/V tiles while the consumers finish one (they get each item's fields
+    from the loader, so an item boundary costs them the Q load and the stores)."""
+    TOK: gl.constexpr = CONSUMERS * ROWS // GROUP  # query tokens per item
+    # Strides are >= 0 (torch's): their 64-bit products need no sign words, which the compiler would otherwise
+    # compute before the partitions and carry into them (spilled: the loader has 48 registers).
+    gl.assume(stride_qt >= 0)
+    gl.assume(stride_qh >= 0)
+    gl.assume(stride_ot >= 0)
+    gl.assume(stride_oh >= 0)
+    gl.assume(stride_lt >= 0)
+    gl.assume(stride_lh >= 0)
+    gl.assume(stride_btb >= 0)
+    gl.assume(stride_sl >= 0)
+    gl.assume(stride_qsl >= 0)
+    meta = (qsl_ptr, seq_lens_ptr, stride_qsl, stride_sl, batch, max_tokens)
+    dtype: gl.constexpr = k_desc.dtype
+    q_bufs: gl.constexpr = 2 if Q_TMA else 1  # the loader fills the next item's Q while the consumers use one
+    q_smem = gl.allocate_shared_memory(dtype, [q_bufs * CONSUMERS, ROWS, D],
+                                       gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype))
+    k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_ring(k_desc, v_desc, BLOCK_N, STAGES, CONSUMERS)
+    q_ready = gl.allocate_shared_memory(gl.int64, [q_bufs, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [q_bufs, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(q_bufs):
+        mbarrier.init(q_ready.index(j), count=1)
+        mbarrier.init(q_empty.index(j), count=CONSUMERS)
+    q_load = (q_desc, q_smem, q_ready, q_empty)
+    slots = gl.allocate_shared_memory(gl.int32, [STAGES, FIELDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    rows = (q_ptr, out_ptr, lse_ptr, sinks_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+            stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, sm_scale, cap, num_tokens)
+    gl.warp_specialize([
+        (_consumer_partition, (rows, slots, q_load, 0, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS, SOFTCAP, Q_TMA)),
+        (_consumer_partition, (rows, slots, q_load, 1, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS, SOFTCAP, Q_TMA)),
+        (_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, slots, bt_ptr, meta,
+                           counter_ptr, stride_btb, stride_btn, n_items, page_rows, head_rows, head_cols, oob_row,
+                           q_load, TOK, BS, BLOCK_N, PAGE_BOX, STAGES, BLOCK_B, CAUSAL, HKV, Q_TMA)),
+    ], [4, 1], [232, 48])
 
-        q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_rings(k_desc, v_desc, D, BLOCK_N, STAGES)
 
-        rows = (q_ptr, out_ptr, lse_ptr, sinks_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, sm_scale, cap, q_begin, q_len,
-                num_tokens, t0, off, seq_len, n_tiles, n_full, kvh)
-        gl.warp_specialize([
-            (_consumer_partition, (rows, 0, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS, SOFTCAP)),
-            (_consumer_partition, (rows, 1, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS, SOFTCAP)),
-            (_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, bt_row_ptr,
-                               stride_btn, seq_len, n_tiles, kvh, page_rows, head_rows, head_cols, oob_row,
-                               BS, BLOCK_N, PAGE_BOX, STAGES)),
-        ], [4, 1], [240, 24])
+def _q_descriptor(q: torch.Tensor, group: int):
+    """A TMA descriptor of the queries ``[T, Hq, D]`` in ``[ROWS // group, group, D]`` boxes (a consumer's
+    rows of an item), or None when their strides or address do not allow one (16-byte aligned)."""
+    esize = q.element_size()
+    if q.data_ptr() % 16 or (q.stride(0) * esize) % 16 or (q.stride(1) * esize) % 16 or q.stride(2) != 1:
+        return None
+    block = [ROWS.value // group, group, q.shape[2]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[q.dtype])
+    return TensorDescriptor(q, list(q.shape), list(q.stride()), block, layout)
 
 
 def sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, softcap: float, window: int,
@@ -175,14 +346,17 @@ def prefill_sm90(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sc
     view = cfg["view"]
     tok = CONSUMERS.value * ROWS.value // group
     block_b = min(1024, pow2(batch + 1))
-    grid = (t // tok + batch, hkv)
+    n_x = t // tok + batch  # query tiles (the requests' tiles laid end to end, one spare per request)
+    grid = (min(n_x * hkv, num_sms(q.device)),)  # one program an SM (its shared memory)
+    q_desc = _q_descriptor(q, group)
     launch(
         _prefill_sm90_kernel, grid,
-        q, *descriptors(k_cache, v_cache, view, cfg["page_box"], cfg["block_n"]), block_table, seq_lens,
-        query_start_loc, out, lse, lse if sinks is None else sinks,
-        scale, cfg["softcap"] * LOG2E, t, batch, block_table.shape[1] * bs, *view[2:], view[0],
+        q, q_desc, *descriptors(k_cache, v_cache, view, cfg["page_box"], cfg["block_n"]), block_table, seq_lens,
+        query_start_loc, out, lse, lse if sinks is None else sinks, torch.zeros(1, dtype=torch.int32, device=q.device),
+        scale, cfg["softcap"] * LOG2E, t, batch, n_x * hkv, block_table.shape[1] * bs, *view[2:], view[0],
         q.stride(0), q.stride(1), *block_table.stride(), seq_lens.stride(0), query_start_loc.stride(0),
         out.stride(0), out.stride(1), *lse.stride(),
         GROUP=group, BS=bs, D=d, BLOCK_N=cfg["block_n"], PAGE_BOX=cfg["page_box"], STAGES=cfg["stages"],
-        BLOCK_B=block_b, CAUSAL=bool(causal), SINKS=sinks is not None, SOFTCAP=cfg["softcap"] > 0, num_warps=4,
+        BLOCK_B=block_b, CAUSAL=bool(causal), SINKS=sinks is not None, SOFTCAP=cfg["softcap"] > 0, HKV=hkv,
+        Q_TMA=q_desc is not None, num_warps=4,
     )

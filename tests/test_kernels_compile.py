@@ -12,10 +12,14 @@ compiler and ptxas (both ship with Triton).
   ``bash tests/compile_sm90.sh`` puts one on the path, as CI does) and skip otherwise - or fail,
   with ``PAGED_BACKEND_REQUIRE_SM90_COMPILE=1`` (CI).
 
-Register spills fail: a spill in a kernel's inner loop costs every call."""
+Register spills fail: a spill in a kernel's inner loop costs every call. So do divergent branches in a
+Hopper kernel (``BRA.DIV`` in its SASS): a sign that ptxas could not prove a value warp-uniform (a request
+index from a reduction), which moves everything derived from it off the uniform datapath - the persistent
+prefill ran 20-25% slower for it (benchmarks/results/sweeps/prefill_persistent_h200.log)."""
 import os
 import re
 import subprocess
+import tempfile
 
 import numpy as np
 
@@ -81,6 +85,16 @@ def ptxas_info(ptx: str) -> str:
     return " ".join(line.split("info    :")[-1].strip() for line in info.splitlines() if "spill" in line or "registers" in line)
 
 
+def divergent_branches(cubin: bytes) -> int:
+    """The ``BRA.DIV`` instructions in a kernel's SASS (cuobjdump ships next to ptxas)."""
+    cuobjdump = os.path.join(os.path.dirname(get_ptxas(TARGET.arch).path), "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return sass.count("BRA.DIV")
+
+
 def _top_p(s, v):
     from paged_backend.kernels.top_p import top_p_floor_triton
     return lambda: top_p_floor_triton(torch.randn(s, v), torch.full((s,), float("-inf")), torch.full((s,), 0.9))
@@ -129,7 +143,7 @@ SM90_SHARED_BYTES = 227 * 1024  # the most shared memory a program may opt into 
 @pytest.fixture
 def sm90_compiled(monkeypatch):
     """Every Triton/Gluon launch in the test compiled for sm_90a, not run -> the list of (kernel name,
-    ptxas's resource line, shared memory bytes) it fills."""
+    ptxas's resource line, shared memory bytes, divergent branches) it fills."""
     if triton_release() not in SM90_TRITON:
         why = (f"the Gluon kernels are checked on Triton {', '.join(SM90_TRITON)}, this is {triton.__version__} "
                "(bash tests/compile_sm90.sh runs these with one)")
@@ -142,7 +156,8 @@ def sm90_compiled(monkeypatch):
 
     def compile_only(self, *args, grid, warmup, **kw):
         kernel = run(self, *args, grid=grid, warmup=True, **kw)
-        out.append((self.__name__, ptxas_info(kernel.asm["ptx"]), kernel.metadata.shared))
+        out.append((self.__name__, ptxas_info(kernel.asm["ptx"]), kernel.metadata.shared,
+                    divergent_branches(kernel.asm["cubin"])))
 
     monkeypatch.setattr(JITFunction, "run", compile_only)
     monkeypatch.setattr(fused, "use_sm90", lambda device: True)  # plans cut for the Hopper kernel
@@ -169,12 +184,13 @@ def _node_call(hq, hkv, d, softcap):
     return lambda: cascade_nodes_sm90(q, k, k.clone(), plan, d ** -0.5, cfg, True, True)
 
 
-def _prefill_call(hq, hkv, d, causal, sinks):
-    """The Hopper paged prefill: two requests of 300 and 77 new tokens over 1000 and 77 keys."""
+def _prefill_call(hq, hkv, d, causal, sinks, q_tma=True):
+    """The Hopper paged prefill: two requests of 300 and 77 new tokens over 1000 and 77 keys (``q_tma``
+    False: queries 2 bytes past 16-byte alignment, which the consumers load themselves)."""
     from paged_backend.kernels.prefill_sm90 import prefill_sm90, sm90_config
     bs, lens, new = 16, [1000, 77], [300, 77]
     t = sum(new)
-    q = torch.zeros(t, hq, d, dtype=torch.bfloat16)
+    q = torch.zeros(t * hq * d + 1, dtype=torch.bfloat16)[int(not q_tma):][:t * hq * d].view(t, hq, d)
     k = torch.zeros(80, bs, hkv, d, dtype=torch.bfloat16)
     table = torch.arange(2 * 64, dtype=torch.int32).reshape(2, 64) % 80
     qsl = torch.tensor([0, new[0], t], dtype=torch.int32)
@@ -220,17 +236,20 @@ SM90_CASES = {
     "cascade_node d64 g8 softcap": lambda: _node_call(32, 4, 64, 30.0),
     "prefill d128 g4 causal": lambda: _prefill_call(32, 8, 128, True, False),
     "prefill d64 g1 sinks": lambda: _prefill_call(8, 8, 64, False, True),
+    "prefill d128 g4 causal, queries without TMA": lambda: _prefill_call(32, 8, 128, True, False, False),
 }
 
 
 @pytest.mark.parametrize("case", list(SM90_CASES))
 def test_gluon_kernels_compile_for_sm90_without_spills(sm90_compiled, case):
-    """Each Hopper kernel compiles for sm_90a, spills nothing and fits a program's shared memory on the
-    H100/H200 (227 KiB: a launch over it fails only on the GPU). (The causal 128-key prefill spilled 128 +
-    136 bytes until its P became the 16-bit operand right after each softmax: attend_tiles' EARLY_P.)"""
+    """Each Hopper kernel compiles for sm_90a, spills nothing, fits a program's shared memory on the
+    H100/H200 (227 KiB: a launch over it fails only on the GPU) and has no divergent branch. (The causal
+    128-key prefill spilled 128 + 136 bytes until its P became the 16-bit operand right after each
+    softmax: attend_tiles' EARLY_P.)"""
     SM90_CASES[case]()()
     assert sm90_compiled, "no kernel launch compiled"
-    for name, info, shared in sm90_compiled:
+    for name, info, shared, divergent in sm90_compiled:
         spills = [int(n) for n in re.findall(r"(\d+) bytes spill", info)]
         assert len(spills) == 2 and not any(spills), (name, info)
         assert shared <= SM90_SHARED_BYTES, (name, shared)
+        assert divergent == 0, (name, f"{divergent} BRA.DIV: a value ptxas cannot prove warp-uniform")

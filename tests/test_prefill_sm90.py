@@ -107,6 +107,40 @@ def test_bitwise_deterministic_and_matches_portable():
     assert_close_state(first[0], None, out, None, BF16)
 
 
+def test_graph_replays_claim_every_item():
+    """The programs claim their items from a counter the call zeroes itself: replays of a captured call (new
+    queries each time, more items than programs) give an eager call's bits, every item done once."""
+    inputs = make_prefill_inputs([2048, 100, 700], [4096, 333, 700], 32, 8, 128, 16, BF16, device="cuda")
+    q = inputs[0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run_sm90(inputs)  # compiled and its launch keyed outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = run_sm90(inputs)
+    for _ in range(3):
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        ref_o, ref_lse = run_sm90(inputs)
+        assert torch.equal(out, ref_o) and torch.equal(lse, ref_lse)
+
+
+def test_queries_without_a_tma_view():
+    """Queries at an address TMA cannot read (2 bytes past 16-byte alignment): the consumers load them
+    themselves, with the same results."""
+    inputs = make_prefill_inputs([300, 77], [1000, 77], 32, 8, 128, 16, BF16, device="cuda")
+    q = inputs[0]
+    flat = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    shifted = flat[1:].view(q.shape)
+    shifted.copy_(q)
+    assert shifted.data_ptr() % 16
+    out, lse = run_sm90((shifted, *inputs[1:]))
+    ref_o, ref_lse = run_sm90(inputs)
+    assert torch.equal(out, ref_o) and torch.equal(lse, ref_lse)
+
+
 def _column(t, width=3, col=1):
     """``t`` as column ``col`` of a wider buffer (its last dim ``width`` elements apart, -7 between):
     how engines pass metadata (a slice of a persistent batch buffer)."""
@@ -172,7 +206,8 @@ def test_a_call_like_an_earlier_one_launches_direct(monkeypatch):
     out, lse = run_sm90(second)
     ref_o, ref_lse = device_reference(*second)
     assert_close_state(out, lse, ref_o, ref_lse, BF16)
-    # Triton 3.6: the C launcher called directly, the second caches' TMA maps kept (arguments 1, 2)
+    # Triton 3.6: the C launcher called directly, the second queries' and caches' TMA maps kept (arguments 1-3)
     entries = [e for e in launch._entries.values() if e and e[0] is _prefill_sm90_kernel]
     assert entries and all(e[6] is not None for e in entries)
-    assert any({(1, second[1].data_ptr()), (2, second[2].data_ptr())} <= e[6].maps.keys() for e in entries)
+    maps = {(i + 1, t.data_ptr()) for i, t in enumerate(second[:3])}
+    assert any(maps <= e[6].maps.keys() for e in entries)
