@@ -5,9 +5,9 @@ the tile list without a host sync), written in Gluon so that the kernel controls
 compiler does not let a ``tl.dot`` kernel control (FlashAttention-3's structure):
 
 - persistent programs, one an SM, over work items (a tile of ``TOK`` query tokens x one KV head):
-  each program's **loader** warp claims items from a counter (greedy, heaviest first: a program
-  that finishes early takes more, as the hardware would schedule one program an item, without a
-  program's start-up and end each time), hands each item's fields to the consumers through a shared
+  each program's **loader** warp claims items from a counter (greedy, a causal request's heaviest
+  tiles first: a program that finishes early takes more, as the hardware would schedule one program
+  an item, without a program's start-up and end each time), hands each item's fields to the consumers through a shared
   slot, and streams its K/V pages with TMA into a ring of ``STAGES`` shared tiles (``BLOCK_N`` keys
   = ``BLOCK_N // PAGE_BOX`` page boxes each), signalling ``k_ready`` / ``v_ready`` mbarriers; it
   refills a K (V) stage once both consumers' GEMMs read it (``k_empty``, ``v_empty``), running
@@ -271,9 +271,9 @@ def _prefill_sm90_kernel(
     STAGES: gl.constexpr, BLOCK_B: gl.constexpr, CAUSAL: gl.constexpr, SINKS: gl.constexpr, SOFTCAP: gl.constexpr,
     HKV: gl.constexpr, Q_TMA: gl.constexpr,
 ):
-    """Persistent, one program an SM: its loader claims items (query tile x KV head) greedily, heaviest first,
-    and runs ahead into the next item's K/V tiles while the consumers finish one (they get each item's fields
-    from the loader, so an item boundary costs them the Q load and the stores)."""
+    """Persistent, one program an SM: its loader claims items (query tile x KV head) greedily (a causal
+    request's heaviest first) and runs ahead into the next item's K/V tiles while the consumers finish one
+    (they get each item's fields from the loader, so an item boundary costs them the Q load and the stores)."""
     TOK: gl.constexpr = CONSUMERS * ROWS // GROUP  # query tokens per item
     # Strides are >= 0 (torch's): their 64-bit products need no sign words, which the compiler would otherwise
     # compute before the partitions and carry into them (spilled: the loader has 48 registers).
