@@ -412,7 +412,7 @@ def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, view, box: int, bl
     ``[block_n, D]`` shared tiles."""
     rows, width = view[:2]
     d = k_cache.shape[-1]
-    layout = _tile_layout(block_n, d, k_cache.dtype)
+    layout = shared_layout((block_n, d), k_cache.dtype)
     return [TensorDescriptor(c, [rows, width], [c.stride(1), 1], [box, d], layout) for c in (k_cache, v_cache)]
 
 
@@ -421,7 +421,7 @@ _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.floa
 
 
 @functools.lru_cache(maxsize=None)
-def _tile_layout(block_n: int, d: int, dtype: torch.dtype):
-    """The shared layout of a ``[block_n, d]`` tile of a cache's dtype (made once: ~15 us of host time a
-    call otherwise)."""
-    return gl.NVMMASharedLayout.get_default_for([block_n, d], _GL_DTYPES[dtype])
+def shared_layout(block: tuple, dtype: torch.dtype):
+    """The shared layout of a TMA box / wgmma tile of shape ``block`` and a tensor's dtype (made once: ~15 us
+    of host time a call otherwise)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])

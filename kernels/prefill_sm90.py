@@ -37,8 +37,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from paged_backend.kernels.attend import LOG2E
 from paged_backend.kernels.attend_sm90 import (CONSUMERS, ROWS, alloc_ring, attend_tiles, covered, descriptors,
-                                               finish_state, io_layout, load_range, load_rows, mma_layout, _GL_DTYPES,
-                                               sink_scale)
+                                               finish_state, io_layout, load_range, load_rows, mma_layout,
+                                               shared_layout, sink_scale)
 from paged_backend.kernels.dispatch import num_sms
 from paged_backend.kernels.launch import launch, pow2
 
@@ -316,9 +316,8 @@ def _q_descriptor(q: torch.Tensor, group: int):
     esize = q.element_size()
     if q.data_ptr() % 16 or (q.stride(0) * esize) % 16 or (q.stride(1) * esize) % 16 or q.stride(2) != 1:
         return None
-    block = [ROWS.value // group, group, q.shape[2]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[q.dtype])
-    return TensorDescriptor(q, list(q.shape), list(q.stride()), block, layout)
+    block = (ROWS.value // group, group, q.shape[2])
+    return TensorDescriptor(q, list(q.shape), list(q.stride()), list(block), shared_layout(block, q.dtype))
 
 
 def sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, softcap: float, window: int,
