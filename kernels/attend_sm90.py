@@ -56,18 +56,37 @@ def load_tile(desc, smem, ready, empty, free, bt_row_ptr, stride_btn, n0, hi, kv
 
 
 @gluon.jit
+def _ring_tile(desc, smem, ready, empty, t, bt_row_ptr, stride_btn, n0, hi, kvh, col, page_rows, head_rows, oob_row,
+               BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr, STAGES: gl.constexpr):
+    """Ring tile ``t`` (keys ``n0 ..``) of one cache, once its stage is free (a fresh barrier passes phase 1)."""
+    s = t % STAGES
+    load_tile(desc, smem.index(s), ready.index(s), empty.index(s), ((t // STAGES) & 1) ^ 1, bt_row_ptr, stride_btn,
+              n0, hi, kvh, col, page_rows, head_rows, oob_row, BS, BLOCK_N, PAGE_BOX)
+
+
+@gluon.jit
 def load_range(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles, bt_row_ptr,
                stride_btn, n0, hi, kvh, col, page_rows, head_rows, oob_row,
-               BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr, STAGES: gl.constexpr):
+               BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr, STAGES: gl.constexpr,
+               K_AHEAD: gl.constexpr = False):
     """The loader's part of one work item: ``n_tiles`` K and V tiles from key ``n0``, ring tiles
-    ``it ..``. -> the next ring index."""
+    ``it ..``. -> the next ring index. ``K_AHEAD``: tile ``j + 1``'s K is issued before tile ``j``'s V,
+    for consumers that use K a tile before V (:func:`attend_tiles`: ``Q K_j^T`` beside ``P_{j-1} V_{j-1}``),
+    so that a K stage waits only for the K stage before it to be read, not for a V stage as well (H200 prefill:
+    1-5% faster; ``n_tiles >= 1``)."""
+    if K_AHEAD:
+        _ring_tile(k_desc, k_smem, k_ready, k_empty, it, bt_row_ptr, stride_btn, n0, hi, kvh, col, page_rows,
+                   head_rows, oob_row, BS, BLOCK_N, PAGE_BOX, STAGES)
     for j in range(n_tiles):
-        s = (it + j) % STAGES
-        free = (((it + j) // STAGES) & 1) ^ 1  # a fresh barrier passes phase 1
-        load_tile(k_desc, k_smem.index(s), k_ready.index(s), k_empty.index(s), free, bt_row_ptr, stride_btn,
-                  n0 + j * BLOCK_N, hi, kvh, col, page_rows, head_rows, oob_row, BS, BLOCK_N, PAGE_BOX)
-        load_tile(v_desc, v_smem.index(s), v_ready.index(s), v_empty.index(s), free, bt_row_ptr, stride_btn,
-                  n0 + j * BLOCK_N, hi, kvh, col, page_rows, head_rows, oob_row, BS, BLOCK_N, PAGE_BOX)
+        if K_AHEAD:
+            if j + 1 < n_tiles:
+                _ring_tile(k_desc, k_smem, k_ready, k_empty, it + j + 1, bt_row_ptr, stride_btn, n0 + (j + 1) * BLOCK_N,
+                           hi, kvh, col, page_rows, head_rows, oob_row, BS, BLOCK_N, PAGE_BOX, STAGES)
+        else:
+            _ring_tile(k_desc, k_smem, k_ready, k_empty, it + j, bt_row_ptr, stride_btn, n0 + j * BLOCK_N, hi, kvh,
+                       col, page_rows, head_rows, oob_row, BS, BLOCK_N, PAGE_BOX, STAGES)
+        _ring_tile(v_desc, v_smem, v_ready, v_empty, it + j, bt_row_ptr, stride_btn, n0 + j * BLOCK_N, hi, kvh, col,
+                   page_rows, head_rows, oob_row, BS, BLOCK_N, PAGE_BOX, STAGES)
     return it + n_tiles
 
 

@@ -184,7 +184,7 @@ def _load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v
             _hand(slots, k_ready, k_empty, it, (kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full), STAGES)
             it = load_range(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles,
                             bt_ptr + b * stride_btb, stride_btn, 0, seq_len, kvh, kvh * head_cols, page_rows,
-                            head_rows, oob_row, BS, BLOCK_N, PAGE_BOX, STAGES)
+                            head_rows, oob_row, BS, BLOCK_N, PAGE_BOX, STAGES, True)
         i = gl.num_programs(0) + _uniform(gl.atomic_add(counter_ptr, 1))
     _hand(slots, k_ready, k_empty, it, (0, 0, 0, 0, 0, 0, 0, 0), STAGES)
 
