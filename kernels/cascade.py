@@ -17,8 +17,9 @@ Three launches, all with grids fixed by the plan:
 On Hopper and later the three run on one stream chained by programmatic dependent launch: the
 tails start while the node kernel runs (they write other slots) and finish after it; the merge
 starts during the tails and waits for their writes. Elsewhere nodes and tails run on two streams.
-On sm_90, plans with fused lists (paged_backend/cascade/fused.py ``fused_order``) run the node
-and tail pieces in one launch of the Hopper kernel (kernels/cascade_sm90.py), then the merge.
+On sm_90, plans with fused lists (paged_backend/cascade/fused.py, ``fused_prog_ptr``) run the node
+and tail pieces in one launch of the Hopper kernel (kernels/cascade_sm90.py: side by side on each SM),
+then the merge.
 """
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ from paged_backend.kernels.attend import (LOG2E, attend_paged_range, dequantized
 from paged_backend.kernels.decode import call_key, fold_states, remember, run_pieces
 from paged_backend.kernels.dispatch import use_pdl, use_sm90
 from paged_backend.kernels.launch import launch, pow2, replay_stream
+
+# The largest group whose tails the Hopper node kernel runs beside its node pieces (kernels/cascade_sm90.py):
+# at 16 its tails' consumer spills in the registers it has there.
+SM90_TAIL_GROUP = 8
 
 # Warps per node tile of BLOCK_M rows (H100 sweeps, 2026-11-21): a 256-row tile on 16 warps keeps
 # four warpgroups in flight, so one's softmax overlaps another's wgmma; at 128 registers a thread
@@ -124,8 +129,8 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
     # which launches run: those with pieces, or all of them (a fixed arena's plans launch alike)
     run_nodes, run_tails = plan.launch_all or plan.num_node_pieces > 0, plan.launch_all or plan.num_leaf_pieces > 0
     both = run_nodes and run_tails
-    # (a plan with "fused_items" is for Hopper, where the node kernel may run the tails as well)
-    one_stream = pdl or not (q.is_cuda and both) or "fused_items" in v
+    # (a plan with "fused_prog_ptr" is for Hopper, where the node kernel may run the tails as well)
+    one_stream = pdl or not (q.is_cuda and both) or "fused_prog_ptr" in v
     # As in decode_triton: after the first call with this signature (the first layer of a step),
     # the plan's launchers are called directly. Only the one-stream order is kept.
     relaunches = None
@@ -147,7 +152,7 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
             return
 
     sm90 = node_sm90_config(q, k_cache, v_cache, plan, softcap, scales) if run_nodes else None
-    fused = sm90 is not None and "fused_items" in v  # the Hopper node kernel runs the tails too
+    fused = sm90 is not None and runs_tails(plan)  # the Hopper node kernel runs the tails too
 
     def nodes():
         if sm90 is not None:  # Hopper: kernels/cascade_sm90.py
@@ -270,6 +275,12 @@ def cascade_torch(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: fl
     sink_states(run_o, run_lse, sinks)
     out.copy_(run_o.to(out.dtype))
     lse.copy_(run_lse)
+
+
+def runs_tails(plan) -> bool:
+    """Whether the Hopper node kernel runs the plan's tails too, where it runs the plan's node pieces: plans
+    with fused lists (``fused_prog_ptr``) of groups up to ``SM90_TAIL_GROUP``; else the decode kernel does."""
+    return "fused_prog_ptr" in plan.views and plan.num_q_heads // plan.num_kv_heads <= SM90_TAIL_GROUP
 
 
 def node_sm90_config(q, k_cache, v_cache, plan, softcap: float, scales):

@@ -82,10 +82,11 @@ def _piece(pieces, p):
 
 
 @gluon.jit
-def _consumer(rows, pieces, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, SOFTCAP: gl.constexpr, SINKS: gl.constexpr):
+def consumer(rows, pieces, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, SOFTCAP: gl.constexpr, SINKS: gl.constexpr, PARTIAL: gl.constexpr):
     """One warpgroup: every piece of this program, in order, into ``out``/``lse`` or its partial slot
-    (``SINKS``: the sinks join the states written to ``out``/``lse``; the fold adds them to the others)."""
+    (``SINKS``: the sinks join the states written to ``out``/``lse``; the fold adds them to the others;
+    ``PARTIAL``: every piece has a slot - a cascade's tails, kernels/cascade_sm90.py - and no output is written)."""
     (q_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sinks_ptr, sm_scale, cap, stride_qb, stride_qh,
      stride_ob, stride_oh, stride_lb, stride_lh, stride_pop, stride_poh, stride_plp, stride_plh) = rows
     prog_ptr = pieces[1]
@@ -118,7 +119,9 @@ def _consumer(rows, pieces, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.c
         it += n_tiles
         o, lse = finish_swapped(acc, m_i, l_i, v_scale)
         ok = h < GROUP
-        if slot < 0:  # the segment's only piece: the output itself
+        if PARTIAL:
+            _store_partial(rows, slot, o, lse, h, d, ok)
+        elif slot < 0:  # the segment's only piece: the output itself
             qh = (kvh * GROUP + h).to(gl.int64)
             if SINKS:  # a key of logit sinks[h] and value 0: only the denominator grows
                 factor, lse = sink_scale(lse, gl.load(sinks_ptr + qh, mask=ok, other=0.0))
@@ -127,15 +130,21 @@ def _consumer(rows, pieces, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.c
                      mask=ok[None, :])
             gl.store(lse_ptr + b * stride_lb + qh * stride_lh, lse, mask=ok)
         else:
-            at = slot.to(gl.int64)
-            gl.store(po_ptr + at * stride_pop + h[None, :] * stride_poh + d[:, None], o, mask=ok[None, :])
-            gl.store(plse_ptr + at * stride_plp + h * stride_plh, lse, mask=ok)
+            _store_partial(rows, slot, o, lse, h, d, ok)
 
 
 @gluon.jit
-def _loader(k_desc, v_desc, bt_ptr, pieces, smem, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
-            BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr,
-            STAGES: gl.constexpr):
+def _store_partial(rows, slot, o, lse, h, d, ok):
+    """A piece's state ``o [D, NQ]``, ``lse [NQ]`` into its partial slot (heads ``h``, ``ok``: real ones)."""
+    po_ptr, plse_ptr = rows[3], rows[4]
+    stride_pop, stride_poh, stride_plp, stride_plh = rows[16:]
+    at = slot.to(gl.int64)
+    gl.store(po_ptr + at * stride_pop + h[None, :] * stride_poh + d[:, None], o, mask=ok[None, :])
+    gl.store(plse_ptr + at * stride_plp + h * stride_plh, lse, mask=ok)
+
+@gluon.jit
+def loader(k_desc, v_desc, bt_ptr, pieces, smem, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
+           BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr, STAGES: gl.constexpr):
     """One warp: the K/V tiles of every piece of this program, in order."""
     k_smem, v_smem = smem[1], smem[2]
     k_ready, v_ready, k_empty, v_empty = smem[5:]
@@ -174,8 +183,8 @@ def _decode_sm90_kernel(
             stride_ob, stride_oh, stride_lb, stride_lh, stride_pop, stride_poh, stride_plp, stride_plh)
     pieces = (work_ptr, prog_ptr, seq_lens_ptr, stride_sl, max_tokens)
     gl.warp_specialize([
-        (_consumer, (rows, pieces, smem, GROUP, NQ, D, BLOCK_N, STAGES, SOFTCAP, SINKS)),
-        (_loader, (k_desc, v_desc, bt_ptr, pieces, smem, stride_btb, stride_btn, page_rows, head_rows, head_cols,
+        (consumer, (rows, pieces, smem, GROUP, NQ, D, BLOCK_N, STAGES, SOFTCAP, SINKS, False)),
+        (loader, (k_desc, v_desc, bt_ptr, pieces, smem, stride_btb, stride_btn, page_rows, head_rows, head_cols,
                    oob_row, BS, BLOCK_N, PAGE_BOX, STAGES)),
     ], [1], [24])
 

@@ -104,11 +104,11 @@ def test_a_grown_arena_keeps_the_parts_its_plan_lacks():
     """Growing an arena for a plan without some part (a plan of 64-row node tiles has no Hopper lists)
     keeps the old arena's room for it: a later plan of the other kind fits again, where it would
     otherwise grow the arena anew (and drop the graphs that read the old one)."""
-    old = CascadeArena({"node_work": 64, "fused_items": 96}, 8, 4, 64, "cpu")
+    old = CascadeArena({"node_work": 64, "fused_prog_ptr": 96}, 8, 4, 64, "cpu")
     plan = SimpleNamespace(host={"node_work": np.zeros(200, np.int32), "slots": np.zeros(10, np.int32)},
                            num_slots=10, num_q_heads=8, num_kv_heads=2, head_dim=64, device=torch.device("cpu"))
     grown = CascadeArena.grown_for(plan, old)
-    assert grown.capacity["fused_items"] == 96 and grown.capacity["node_work"] >= 200
+    assert grown.capacity["fused_prog_ptr"] == 96 and grown.capacity["node_work"] >= 200
     assert grown.capacity["slots"] >= 10 and grown.slots >= 20
 
 

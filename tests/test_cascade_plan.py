@@ -185,22 +185,18 @@ def test_partition_equals_reference(seed):
 
 
 def check_fused(cp):
-    """The Hopper kernel's lists (``fused_order``): program ``g`` runs node program ``g``'s pieces and a
-    run of tail pieces (the runs in piece order; tail piece ``j`` as ``-1 - j``), node pieces first on
-    even programs and last on odd ones, so every piece runs once; the decode kernel's programs take
-    runs of the same tail pieces."""
+    """The Hopper kernel's runs of tail pieces (``fused_prog_ptr``): program ``g`` runs node program ``g``'s
+    pieces and beside them tail pieces ``fused_prog_ptr[g] ..`` (runs in piece order, so every piece runs
+    once); the decode kernel's programs take runs of the same tail pieces."""
     v = {k: t.numpy().astype(np.int64) for k, t in cp.views.items()}
-    items, ptr, nprog, lprog = v["fused_items"], v["fused_prog_ptr"], v["node_prog_ptr"], v["leaf_prog_ptr"]
-    grid, n_node, n_leaf = nprog.size - 1, cp.num_node_pieces, cp.num_leaf_pieces
-    assert grid == cp.node_programs and ptr[0] == 0 and ptr[-1] == n_node + n_leaf
-    next_tail = 0
-    for g in range(grid):
-        got = items[ptr[g]:ptr[g + 1]].tolist()
-        nodes = list(range(nprog[g], nprog[g + 1]))
-        tails = [-1 - j for j in range(next_tail, next_tail + len(got) - len(nodes))]
-        next_tail += len(tails)
-        assert got == (nodes + tails if g % 2 == 0 else tails + nodes)
-    assert next_tail == n_leaf
+    ptr, nprog, lprog = v["fused_prog_ptr"], v["node_prog_ptr"], v["leaf_prog_ptr"]
+    n_leaf = cp.num_leaf_pieces
+    assert ptr.size == nprog.size == cp.node_programs + 1
+    assert ptr[0] == 0 and ptr[-1] == n_leaf and (np.diff(ptr) >= 0).all()
+    starts, lens = cp.tail_start(), cp.seq_lens_host
+    live = lens > starts
+    cut = cut_pieces(-(-(lens[live] - starts[live]) // cp.block_n), cp.node_programs, cp.num_kv_heads)
+    assert np.array_equal(ptr, cut[2])  # the stream-K cut of the tails over the node grid: equal tiles a program
     assert lprog.size == cp.leaf_programs + 1 and lprog[0] == 0 and lprog[-1] == n_leaf
     assert (np.diff(lprog) >= 0).all()
 
@@ -234,16 +230,9 @@ def test_fused_lists(monkeypatch, seed):
     if cp.is_flat:
         return
     check_partition(cp)
-    assert ("fused_items" in cp.views) == fused_expected(cp, bs)
-    if "fused_items" in cp.views:
+    assert ("fused_prog_ptr" in cp.views) == fused_expected(cp, bs)
+    if "fused_prog_ptr" in cp.views:
         check_fused(cp)
-
-
-def test_fused_order_small():
-    """Two node programs, four leaf programs: program 0 = its two node pieces then leaf programs 0-1's
-    tails, program 1 = leaf programs 2-3's tails then its node pieces (tail piece ``j`` as ``-1 - j``)."""
-    items, ptr = cfused.fused_order(np.array([0, 2, 3]), np.array([0, 1, 1, 3, 4]), 3)
-    assert items.tolist() == [0, 1, -1, -2, -3, -4, 2] and ptr.tolist() == [0, 3, 7]
 
 
 @pytest.mark.parametrize("units,n_seg,k", [(8, 3, 2), (12, 4, 3), (7, 2, 3), (5, 5, 5), (9, 6, 1)])
@@ -295,7 +284,7 @@ def test_lockstep_plan(monkeypatch, hopper):
     cp = pb.plan_cascade(bt, lens, num_q_heads=32, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",
                          cost=CascadeCost(0, 0, 0, wide_tile_flops=0), node_programs=22)
     check_partition(cp)
-    assert ("fused_items" in cp.views) == hopper
+    assert ("fused_prog_ptr" in cp.views) == hopper
     nw = cp.views["node_work"].numpy()
     if not hopper:
         assert chosen == [True] and cp.block_m == 256
@@ -326,7 +315,7 @@ def test_no_fused_lists_where_the_hopper_kernel_cannot_run(monkeypatch, what):
                          cost=CascadeCost(0, 0, 0, kv_elem_bytes=elem), node_programs=22)
     check_partition(cp)
     gp = 1 << (hq // hkv - 1).bit_length()
-    assert "fused_items" not in cp.views
+    assert "fused_prog_ptr" not in cp.views
     assert cp.block_m == cpart.choose_block_m(np.array([40 * gp]), cp.node_end - cp.node_start, gp, d)
 
 
@@ -338,7 +327,7 @@ def test_lockstep_plan_exact(monkeypatch):
     q, k, v, bt, lens = forest_inputs(rng, prefix_forest(40, 12, 5), 16, 32, 2, 64, torch.float32)
     cp = pb.plan_cascade(bt, lens, num_q_heads=32, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",
                          cost=CascadeCost(0, 0, 0), node_programs=22)
-    assert cp.num_node_pieces == 20 and "fused_items" in cp.views
+    assert cp.num_node_pieces == 20 and "fused_prog_ptr" in cp.views
     check_exact(q, k, v, bt, lens, cp, torch.float32)
 
 
@@ -502,7 +491,7 @@ def test_decode_steps_of_cut_tails_copy_the_partition(monkeypatch, programs, hop
             assert copied == [True]  # the same tiles a tail: copied
             cut_and_copied += got.num_leaf_pieces > n * hkv
         prev = got
-    assert cut_and_copied >= 40 and ("fused_items" in got.host) == hopper
+    assert cut_and_copied >= 40 and ("fused_prog_ptr" in got.host) == hopper
 
 
 def test_forest_reuse_rejects_a_changed_batch(monkeypatch):

@@ -11,6 +11,7 @@ import torch
 
 import paged_backend as pb
 from paged_backend.cascade import cascade_node_kernel_name
+from paged_backend.kernels.cascade import SM90_TAIL_GROUP
 from paged_backend.kernels.dispatch import SM90_TRITON, triton_release
 from tests.paged_inputs import make_cache, poison_outside
 from tests.reference import assert_close_state, decode_reference
@@ -60,11 +61,10 @@ def run_case(q, k, v, table, lens, bs, tails="fused", **plan_kw):
     sl = torch.from_numpy(lens.astype(np.int32)).cuda()
     cplan = pb.plan_cascade(table, lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device="cuda",
                             cost=KEEP_ALL, block_table_device=bt, **plan_kw)
-    assert ("fused_items" in cplan.views) == fused_expected(cplan, bs)
+    assert ("fused_prog_ptr" in cplan.views) == fused_expected(cplan, bs)
     if tails == "decode":
-        for name in ("fused_items", "fused_prog_ptr"):
-            cplan.views.pop(name, None)
-    want = "sm90+tails" if "fused_items" in cplan.views else "sm90"
+        cplan.views.pop("fused_prog_ptr", None)
+    want = "sm90+tails" if "fused_prog_ptr" in cplan.views and hq // hkv <= SM90_TAIL_GROUP else "sm90"
     assert not cplan.is_flat and cascade_node_kernel_name(q, k, v, cplan) == want, cplan.block_m
     out, lse = pb.cascade_decode(q, k, v, cplan)
     ref_o, ref_l = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu())
@@ -79,6 +79,7 @@ def run_case(q, k, v, table, lens, bs, tails="fused", **plan_kw):
     dict(prefixes=[1024, 400, 3000], n=16, suffix=5, hq=32, hkv=4, d=128, bs=32, system=512),  # two levels, group 8
     dict(prefixes=[777 // 16 * 16], n=64, suffix=16, hq=16, hkv=8, d=64, bs=16),  # group 2, d 64
     dict(prefixes=[4096], n=40, suffix=100, hq=32, hkv=8, d=128, bs=64),      # 40 members: a partial row block
+    dict(prefixes=[1008], n=16, suffix=20, hq=32, hkv=2, d=128, bs=16),  # group 16: the tails on the decode kernel
 ])
 @pytest.mark.parametrize("tails", ["fused", "decode"])
 def test_against_fp64(case, layout, dtype, tails):
@@ -96,7 +97,7 @@ def test_cut_pieces_deterministic_and_poisoned():
     bt, sl = torch.from_numpy(table).cuda(), torch.from_numpy(lens.astype(np.int32)).cuda()
     poison_outside(k, v, bt, sl, float("nan"))
     first = run_case(q, k, v, table, lens, 16, node_programs=7)
-    assert first[2].num_node_pieces > 8 and "fused_items" in first[2].views  # 8 KV heads, cut; tails fused
+    assert first[2].num_node_pieces > 8 and "fused_prog_ptr" in first[2].views  # 8 KV heads, cut; tails fused
     again = pb.cascade_decode(q, k, v, first[2])
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
@@ -114,7 +115,7 @@ def test_softcap(softcap):
     q, k, v, table, lens = groups_inputs([2000], 32, 300, 32, 8, 128, 16, torch.bfloat16)
     bt, sl = torch.from_numpy(table).cuda(), torch.from_numpy(lens.astype(np.int32)).cuda()
     cplan = fused_plan(table, lens, bt)
-    assert "fused_items" in cplan.views and cascade_node_kernel_name(q, k, v, cplan, softcap=softcap) == "sm90+tails"
+    assert "fused_prog_ptr" in cplan.views and cascade_node_kernel_name(q, k, v, cplan, softcap=softcap) == "sm90+tails"
     out, lse = pb.cascade_decode(q, k, v, cplan, softcap=softcap)
     ref_o, ref_l = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu(), softcap=softcap)
     assert_close_state(out, lse, ref_o, ref_l, q.dtype)
@@ -127,7 +128,7 @@ def test_fused_plan_uncovered_call_runs_portable():
     q, k, v, table, lens = groups_inputs([2000], 32, 300, 32, 8, 128, 16, torch.float32)
     bt, sl = torch.from_numpy(table).cuda(), torch.from_numpy(lens.astype(np.int32)).cuda()
     cplan = fused_plan(table, lens, bt)
-    assert "fused_items" in cplan.views and cascade_node_kernel_name(q, k, v, cplan) == "portable"
+    assert "fused_prog_ptr" in cplan.views and cascade_node_kernel_name(q, k, v, cplan) == "portable"
     out, lse = pb.cascade_decode(q, k, v, cplan)
     ref_o, ref_l = decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu())
     assert_close_state(out, lse, ref_o, ref_l, q.dtype)
@@ -166,7 +167,7 @@ def test_a_forest_that_loses_requests_replays_the_first_launches():
               block_table_device=bt)
     arena = CascadeArena.grown_for(pb.plan_cascade(table, lens, **kw))
     first = pb.plan_cascade(table, lens, arena=arena, **kw)
-    assert "fused_items" in first.views and cascade_node_kernel_name(q, k, v, first) == "sm90+tails"
+    assert "fused_prog_ptr" in first.views and cascade_node_kernel_name(q, k, v, first) == "sm90+tails"
     pb.cascade_decode(q, k, v, first)  # (its launches made)
     done = lens == 1024 + 300  # the second prompt's samples finish; the first's decode one more token
     table, lens = table.copy(), lens.copy()

@@ -1,5 +1,6 @@
-"""How the plans the Hopper kernel runs (kernels/cascade_sm90.py) are cut, host numpy: the lists of node
-and tail pieces it runs in one launch (:func:`fused_order`), and their node pieces in lockstep.
+"""How the plans the Hopper kernel runs (kernels/cascade_sm90.py) are cut, host numpy: whether a plan gets
+the lists it runs in one launch (:func:`fuses`: each program's node pieces, and beside them a run of the tail
+pieces, ``fused_prog_ptr``), and their node pieces in lockstep.
 
 Lockstep: stream-K (``plan.cut_pieces``) lays the (node, KV head, row block) segments end to end and
 cuts them into equal runs of the grid, so the pieces of one KV head's row blocks start at offsets
@@ -58,24 +59,3 @@ def lockstep_pieces(units: int, n_seg: int, k: int, grid: int):
     return (np.arange(n_seg).repeat(k), np.arange(n_seg + 1) * k, np.minimum(np.arange(grid + 1), n_seg * k),
             cut_at, part[cut_at] * units // k)
 
-
-def fused_order(node_prog: np.ndarray, leaf_prog: np.ndarray, n_node: int):
-    """One list of pieces per node program for a kernel running node and tail pieces together:
-    program ``g`` takes node program ``g``'s pieces and the tail pieces of leaf programs
-    ``ceil(g * GL / G) ..`` (both already balanced). Even programs run their node pieces first, odd
-    ones their tails first, so that while some SMs run the node GEMMs (bound by the tensor cores)
-    others stream tails (bound by memory). ``node_prog [G + 1]``, ``leaf_prog [GL + 1]``: the two
-    kernels' program pointers. -> (items [Pn + Pt]: node piece ``i`` as ``i``, tail piece ``j`` as
-    ``-1 - j``; prog_ptr [G + 1]). (The sign tells the kinds apart, so the kernel takes no count of node
-    pieces: plans of other forests launch it with the same arguments, one CUDA graph replaying them.)"""
-    grid, n_leaf = node_prog.size - 1, int(leaf_prog[-1])
-    tail_prog = leaf_prog[-(-np.arange(grid + 1) * (leaf_prog.size - 1) // grid)]  # [G + 1]
-    nn, nt = np.diff(node_prog), np.diff(tail_prog)
-    ptr = np.zeros(grid + 1, dtype=np.int64)
-    np.cumsum(nn + nt, out=ptr[1:])
-    odd = np.arange(grid) % 2 == 1
-    items = np.empty(int(ptr[-1]), dtype=np.int64)
-    items[np.repeat(ptr[:-1] + np.where(odd, nt, 0) - node_prog[:-1], nn) + np.arange(n_node)] = np.arange(n_node)
-    items[np.repeat(ptr[:-1] + np.where(odd, 0, nn) - tail_prog[:-1], nt) + np.arange(n_leaf)] = \
-        -1 - np.arange(n_leaf)
-    return items, ptr

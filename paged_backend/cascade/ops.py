@@ -230,8 +230,8 @@ def cascade_node_kernel_name(q, k_cache, v_cache, cplan, softcap: float = 0.0, s
     """Which kernel runs ``cplan``'s node pieces in :func:`cascade_decode`: ``"sm90"`` (Gluon,
     Hopper), ``"sm90+tails"`` (the same kernel running the private tails too, one launch before the
     merge), ``"portable"`` (Triton) or ``"torch"``. Benchmarks print it."""
-    from paged_backend.kernels.cascade import node_sm90_config
+    from paged_backend.kernels.cascade import node_sm90_config, runs_tails
     from paged_backend.kernels.dispatch import use_triton
     if q.is_cuda and node_sm90_config(q, k_cache, v_cache, cplan, softcap, scales) is not None:
-        return "sm90+tails" if "fused_items" in cplan.views else "sm90"
+        return "sm90+tails" if runs_tails(cplan) else "sm90"
     return "portable" if use_triton(q) else "torch"

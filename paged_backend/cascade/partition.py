@@ -7,9 +7,9 @@ pieces and the merge lists, packed into one int32 array that is copied to the de
 - Each piece writes one fp32 partial state per request of its row block (a *slot*), node slots
   first, in piece order. The merge list of ``(request, kv_head)`` holds its node slots (parents
   first, a node's pieces in token order), then its tail's: CSR ``req_ptr`` over the lists, ``slots``.
-- On Hopper, plans of 128-row node tiles also get one list of both kinds of pieces per node program
-  (``fused_items``, ``fused_prog_ptr``), which the Hopper kernel runs in one launch
-  (kernels/cascade_sm90.py); the slots are the same, so other kernels ignore the lists. Their node
+- On Hopper, plans of 128-row node tiles also get the tails cut over the node programs (``fused_prog_ptr``:
+  program ``g``'s run of tail pieces), which the Hopper kernel runs beside each program's node pieces in one
+  launch (kernels/cascade_sm90.py); the slots are the same, so other kernels ignore the runs. Their node
   segments are cut in lockstep where they are equally long, not stream-K (:mod:`paged_backend.cascade.fused`).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from paged_backend.cascade.fused import FUSED_BLOCK_M, fused_order, fuses, lockstep, lockstep_pieces
+from paged_backend.cascade.fused import FUSED_BLOCK_M, fuses, lockstep, lockstep_pieces
 from paged_backend.kernels.dispatch import num_sms
 from paged_backend.kernels.launch import pow2
 from paged_backend.decode_plan import cut_pieces
@@ -125,8 +125,8 @@ def _same_tails(plan, forest, gl: int) -> bool:
     have tails as then, and each tail has as many tiles as then (the stream-K cut is a function of
     the tiles, the programs and the KV heads: the same pieces, lists and slots; decode steps of one
     token move a tail to its next tile once every ``block_n`` tokens), or one piece per (request,
-    kv_head) then and now. With fused lists (``fused.fused_order``) the tails are cut over the node
-    programs, and those lists must be the same."""
+    kv_head) then and now. With fused lists the tails are cut over the node programs (``fused_prog_ptr``),
+    and those runs must be the same."""
     lens, shared, hkv = plan.seq_lens_host, plan.tail_start(), plan.num_kv_heads
     was, was_shared = forest.seq_lens_host, forest.tail_start()
     live = lens > shared
@@ -138,14 +138,11 @@ def _same_tails(plan, forest, gl: int) -> bool:
     n = units.size
     if forest.num_leaf_pieces != n * hkv:
         return False
-    fused = "fused_items" in forest.host
+    fused = "fused_prog_ptr" in forest.host
     lseg, _, lprog, cut_at, _ = cut_pieces(units, forest.node_programs if fused else gl, hkv)
     if cut_at.size or lseg.size != n * hkv:
         return False
-    if fused:  # the fused lists follow from the node programs (the forest's) and the tails' runs
-        tails = np.diff(forest.host["fused_prog_ptr"]) - np.diff(forest.host["node_prog_ptr"])
-        return np.array_equal(np.diff(lprog), tails)
-    return np.array_equal(lprog, forest.host["leaf_prog_ptr"])
+    return np.array_equal(lprog, forest.host["fused_prog_ptr" if fused else "leaf_prog_ptr"])
 
 
 def _copy_partition(plan, forest, block_table_device):
@@ -226,7 +223,7 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
         lseg = lcut_at = lcut_off = np.zeros(0, np.int64)
         lseg_ptr, lprog = np.zeros(1, np.int64), np.zeros(gl + 1, np.int64)
     n_leaf = lseg.size
-    fused = [("fused_items", seg.size + n_leaf), ("fused_prog_ptr", gn + 1)] if fuse else []
+    fused = [("fused_prog_ptr", gn + 1)] if fuse else []
     src, h = staging(plan, [("node_work", seg.size * NODE_FIELDS), ("node_prog_ptr", nprog.size),
                             ("leaf_work", n_leaf * LEAF_FIELDS), ("leaf_prog_ptr", gl + 1),
                             ("req_ptr", bsz * hkv + 1), ("slots", n_node_slots + n_leaf),
@@ -258,8 +255,8 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
             lwork[lcut_at, 2] = tok
             lwork[lcut_at - 1, 3] = tok
         lwork[:, 4] = np.arange(n_node_slots, n_node_slots + n_leaf)
-    if fuse:  # the decode kernel's runs: equal numbers of pieces (a copied partition keeps them)
-        h["fused_items"][:], h["fused_prog_ptr"][:] = fused_order(nprog, lprog, seg.size)
+    if fuse:  # the Hopper kernel's runs as cut; the decode kernel's: equal numbers of pieces (a copied
+        h["fused_prog_ptr"][:] = lprog  # partition keeps them)
         h["leaf_prog_ptr"][:] = np.arange(gl + 1) * n_leaf // gl
     else:
         h["leaf_prog_ptr"][:] = lprog

@@ -107,7 +107,7 @@ class CascadePlan:
         fixed arena the key is a function of the batch size (``CascadeArena.for_graphs``)."""
         return (self.batch_size, self.window, self.is_flat, self.block_m, self.node_block_n, self.block_n,
                 self.node_programs, self.leaf_programs, self.launch_all or self.num_node_pieces > 0,
-                self.launch_all or self.num_leaf_pieces > 0, "fused_items" in self.views,
+                self.launch_all or self.num_leaf_pieces > 0, "fused_prog_ptr" in self.views,
                 fold_block_p(self.max_merge_len))
 
     @property
