@@ -16,8 +16,9 @@ run on the Hopper decode's swapped pipeline (kernels/decode_sm90.py: a third con
 second loader warp, with their own ring of 64-key tiles), so that an SM streams tails (bound by memory)
 while its node GEMMs run (bound by the tensor cores), and the decode kernel does not run. A program
 running its node pieces and then its tails, one after the other, took their sum (ncu: DRAM 8% busy
-during the node GEMMs of 4096/256/128); side by side, H200 probe 2026-11-30: 1.00-1.14x in graphs on
-bench_cascade's cases (``benchmarks/results/sweeps/cascade_tails_beside_h200.log``).
+during the node GEMMs of 4096/256/128); side by side, H200 2026-11-30 (bench_cascade, eager): 8192/64/256
+44.6 -> 39.6 us, 4096/256/128 81.6 -> 68.9, 32768/256/256 331.4 -> 287.1
+(``benchmarks/results/sweeps/cascade_tails_beside_h200.log``).
 
 As the portable node kernel, it lets the next kernel launch at once (PDL), and the plan replays it on
 later calls through a ``DescriptorRelaunch`` (kernels/launch.py): Gluon's launch path with its
