@@ -142,6 +142,7 @@ def _store_partial(rows, slot, o, lse, h, d, ok):
     gl.store(po_ptr + at * stride_pop + h[None, :] * stride_poh + d[:, None], o, mask=ok[None, :])
     gl.store(plse_ptr + at * stride_plp + h * stride_plh, lse, mask=ok)
 
+
 @gluon.jit
 def loader(k_desc, v_desc, bt_ptr, pieces, smem, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
            BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr, STAGES: gl.constexpr):

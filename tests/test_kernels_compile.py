@@ -151,7 +151,8 @@ SM90_SHARED_BYTES = 227 * 1024  # the most shared memory a program may opt into 
 @pytest.fixture
 def sm90_compiled(monkeypatch):
     """Every Triton/Gluon launch in the test compiled for sm_90a, not run -> the list of (kernel name,
-    ptxas's resource line, shared memory bytes, divergent branches) it fills."""
+    ptxas's resource line, shared memory bytes, divergent branches, spill stores inside the partitions) it
+    fills."""
     if triton_release() not in SM90_TRITON:
         why = (f"the Gluon kernels are checked on Triton {', '.join(SM90_TRITON)}, this is {triton.__version__} "
                "(bash tests/compile_sm90.sh runs these with one)")
