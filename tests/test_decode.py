@@ -113,6 +113,43 @@ def test_fold_splits_columns_when_rows_are_few(hq, d):
     run_case([800], hq, 1, d, 16, torch.float32, plan_mode="stream_k", num_programs=50)
 
 
+@pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="runs the fold kernel itself")
+@pytest.mark.parametrize("requests", [1, 8])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_fold_of_slot_lists(requests, sinks):
+    # The cascade's form of the fold (lists of slot indices, one a (request, kv head)), against logsumexp in
+    # fp64, with and without sinks: 2 or 16 lists (under or over the SM count, 4 in the interpreter), a
+    # group of 6, lists of 0, 1, 3 and 11 states (11: rounds of the 4 loaded at once), an empty state (lse
+    # -inf) among them.
+    from paged_backend.kernels.decode import fold_states
+    dev = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+    hkv, group, d = 2, 6, 32
+    lens = [(0, 1, 3, 11)[s % 4] for s in range(requests * hkv)]
+    gen = torch.Generator().manual_seed(7)
+    po = torch.randn(sum(lens) + 5, group, d, generator=gen)
+    plse = torch.randn(sum(lens) + 5, group, generator=gen) * 3
+    slots = torch.randperm(po.shape[0], generator=gen)[:sum(lens)]
+    plse[slots[-1], 1] = float("-inf")
+    lists = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    sink = torch.randn(hkv * group, generator=gen) if sinks else None
+    out = torch.empty(requests, hkv * group, d, device=dev)
+    lse = torch.empty(requests, hkv * group, device=dev)
+    fold_states(lists.int().to(dev), po.to(dev), plse.to(dev), out, lse, hkv, False, slots=slots.int().to(dev),
+                max_len=4, sinks=None if sink is None else sink.to(dev))
+    for s in range(requests * hkv):
+        b, heads = s // hkv, slice(s % hkv * group, (s % hkv + 1) * group)
+        idx = slots[lists[s]:lists[s + 1]]
+        ls, os_ = plse[idx].double(), po[idx].double()  # [n, G], [n, G, D]
+        if sinks:  # a key of logit sink and value 0
+            ls = torch.cat([ls, sink[heads].double()[None]])
+            os_ = torch.cat([os_, torch.zeros(1, group, d, dtype=torch.float64)])
+        ref_lse = torch.logsumexp(ls, 0) if len(ls) else torch.full((group,), float("-inf"), dtype=torch.float64)
+        w = torch.exp(ls - ref_lse.clamp(min=-1e30))
+        ref_o = (w[:, :, None] * os_).sum(0)
+        assert torch.allclose(out[b, heads].cpu().double(), ref_o, atol=1e-5, rtol=1e-5), s
+        assert torch.allclose(lse[b, heads].cpu().double(), ref_lse, atol=1e-5, rtol=1e-5), s
+
+
 def test_ragged_mix_one_token_next_to_long():
     run_case([1, 600, 1, 1], 4, 2, 64, 16, torch.float32, plan_mode="stream_k", num_programs=5)
 
