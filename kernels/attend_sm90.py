@@ -364,6 +364,84 @@ def alloc_rings(k_desc, v_desc, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: 
 
 
 @gluon.jit
+def uniform(x):
+    """``x``, the same in every lane, as a broadcast from lane 0 (what Triton does for warp ids), so that ptxas
+    knows it is: a reduction's or a shared-memory load's result is not to it, and then everything derived from
+    it (a request's rows and lengths, page loads, TMA coordinates, loop bounds) runs in vector registers, with an
+    R2UR before every TMA and wgmma operand and a divergence check on every branch - 45% more code, and the
+    persistent prefill 20-25% slower than one program a tile (sweeps/prefill_persistent_h200.log)."""
+    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, -1;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+
+
+FIELDS = gl.constexpr(8)  # a work item as a loader hands it to its consumers: int32 fields, the 7th its tiles
+
+
+@gluon.constexpr_function
+def _slot_layout(num_warps):
+    """A slot's fields all in each thread: one thread stores them (the one that then arrives on the barrier
+    that publishes them), and every thread reads its fields without shuffles."""
+    return gl.BlockedLayout([FIELDS], [32], [num_warps], [0])
+
+
+@gluon.jit
+def hand(slots, k_ready, k_empty, it, fields, STAGES: gl.constexpr):
+    """The loader: an item's ``FIELDS`` ``fields`` to the consumers at ring tile ``it`` (the item's first K
+    tile), in that stage's slot (``slots [STAGES, FIELDS]`` int32) once the stage is free (the consumers read
+    the slot before they release it). The TMA completing the tile's ``k_ready`` barrier publishes the slot."""
+    s = it % STAGES
+    mbarrier.wait(k_empty.index(s), ((it // STAGES) & 1) ^ 1)
+    layout: gl.constexpr = _slot_layout(gl.num_warps())
+    k = gl.arange(0, FIELDS, layout=layout)
+    v = gl.zeros([FIELDS], gl.int32, layout)
+    for j in gl.static_range(FIELDS):
+        v = gl.where(k == j, fields[j], v)
+    slots.index(s).store(v)
+
+
+@gluon.jit
+def hand_end(slots, k_ready, k_empty, it, STAGES: gl.constexpr):
+    """The loader: no more items (fields of zeros: no tiles), published by arriving on ``k_ready`` itself."""
+    hand(slots, k_ready, k_empty, it, (0, 0, 0, 0, 0, 0, 0, 0), STAGES)
+    mbarrier.arrive(k_ready.index(it % STAGES), count=1)
+
+
+@gluon.jit
+def _field(v, k, j: gl.constexpr):
+    return uniform(gl.sum(gl.where(k == j, v, 0), 0))
+
+
+@gluon.jit
+def handed(slots, k_ready, it, STAGES: gl.constexpr):
+    """A consumer: the ``FIELDS`` fields of the item the loader handed at ring tile ``it`` (no tiles: no more)."""
+    s = it % STAGES
+    mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
+    layout: gl.constexpr = _slot_layout(gl.num_warps())
+    v = slots.index(s).load(layout)
+    k = gl.arange(0, FIELDS, layout=layout)
+    return (_field(v, k, 0), _field(v, k, 1), _field(v, k, 2), _field(v, k, 3), _field(v, k, 4), _field(v, k, 5),
+            _field(v, k, 6), _field(v, k, 7))
+
+
+@gluon.jit
+def load_q(q_load, n, coord):
+    """The loader: the ``n``-th item's query box at ``coord`` (``q_desc``'s box: a consumer's rows) into each
+    consumer's tile of Q buffer ``n % 2`` (``q_smem [2 * consumers, rows, D]``), once the consumers are done with
+    the item before (``q_empty``); the box's rows past the queries are zeros. ``coord``: the first consumer's
+    box; the next consumers' follow along the first dimension."""
+    q_desc, q_smem, q_ready, q_empty = q_load
+    BOX: gl.constexpr = q_desc.block_type.shape
+    CONS: gl.constexpr = q_smem.shape[0] // 2
+    j = n % 2
+    mbarrier.wait(q_empty.index(j), ((n // 2) & 1) ^ 1)
+    mbarrier.expect(q_ready.index(j), CONS * BOX[0] * BOX[1] * BOX[2] * q_desc.dtype.primitive_bitwidth // 8)
+    for w in gl.static_range(CONS):
+        tile = q_smem.index(j * CONS + w)._reinterpret(q_desc.dtype, BOX, q_desc.layout)
+        tma.async_copy_global_to_shared(q_desc, [coord[0] + w * BOX[0], coord[1], coord[2]], q_ready.index(j),
+                                        tile)
+
+
+@gluon.jit
 def finish_state(acc, m_i, l_i):
     """(acc, m, l) in the exp2 domain -> (o [ROWS, D] fp32, lse [ROWS] natural log); rows that saw
     no key give o = 0, lse = -inf."""
@@ -433,6 +511,20 @@ def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, view, box: int, bl
     d = k_cache.shape[-1]
     layout = shared_layout((block_n, d), k_cache.dtype)
     return [TensorDescriptor(c, [rows, width], [c.stride(1), 1], [box, d], layout) for c in (k_cache, v_cache)]
+
+
+def q_tma(q: torch.Tensor) -> bool:
+    """Whether the queries ``[T, Hq, D]`` can be read by TMA: 16-byte aligned address and row strides."""
+    esize = q.element_size()
+    return q.data_ptr() % 16 == 0 and (q.stride(0) * esize) % 16 == 0 and (q.stride(1) * esize) % 16 == 0 \
+        and q.stride(2) == 1
+
+
+def q_descriptor(q: torch.Tensor, block: tuple):
+    """A TMA descriptor of the queries ``[T, Hq, D]`` in ``block`` boxes, or None where :func:`q_tma` says no."""
+    if not q_tma(q):
+        return None
+    return TensorDescriptor(q, list(q.shape), list(q.stride()), list(block), shared_layout(block, q.dtype))
 
 
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv,

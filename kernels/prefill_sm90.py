@@ -32,13 +32,13 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from paged_backend.kernels.attend import LOG2E
-from paged_backend.kernels.attend_sm90 import (CONSUMERS, ROWS, alloc_ring, attend_tiles, covered, descriptors,
-                                               finish_state, io_layout, load_range, load_rows, mma_layout,
-                                               shared_layout, sink_scale)
+from paged_backend.kernels.attend_sm90 import (CONSUMERS, FIELDS, ROWS, alloc_ring, attend_tiles, covered,
+                                               descriptors, finish_state, hand, hand_end, handed, io_layout,
+                                               load_q, load_range, load_rows, mma_layout, q_descriptor, sink_scale,
+                                               uniform)
 from paged_backend.kernels.dispatch import num_sms
 from paged_backend.kernels.launch import launch, pow2
 
@@ -55,18 +55,7 @@ def _find_tile(qsl_ptr, stride_qsl, batch, pid, TOK: gl.constexpr, BLOCK_B: gl.c
         ib = b0 + offs_b
         start = gl.load(qsl_ptr + ib.to(gl.int64) * stride_qsl, mask=ib <= batch, other=0)
         cnt += ((start // TOK + ib <= pid) & (ib <= batch)).to(gl.int32)
-    return _uniform(gl.sum(cnt, 0) - 1)
-
-
-@gluon.jit
-def _uniform(x):
-    """``x``, the same in every lane, as a broadcast from lane 0 (what Triton does for warp ids), so that ptxas
-    knows it is: a reduction's or a shared-memory load's result is not to it, and then everything derived from
-    it (a request's rows and lengths, page loads, TMA coordinates, loop bounds) runs in vector registers, with an
-    R2UR before every TMA and wgmma operand and a divergence check on every branch - 45% more code, and the
-    persistent kernel 20-25% slower than one program a tile (sweeps/prefill_persistent_h200.log)."""
-    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, -1;", "=r,r", [x], dtype=gl.int32,
-                                     is_pure=True, pack=1)
+    return uniform(gl.sum(cnt, 0) - 1)
 
 
 @gluon.jit
@@ -101,67 +90,6 @@ def _item(meta, i, HKV: gl.constexpr, TOK: gl.constexpr, BLOCK_N: gl.constexpr, 
     return live, b64, kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full
 
 
-FIELDS = gl.constexpr(8)  # an item as the loader hands it: kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full
-
-
-@gluon.constexpr_function
-def _slot_layout(num_warps):
-    """A slot's fields all in each thread: one thread stores them (the one that then arrives on the barrier
-    that publishes them), and every thread reads its fields without shuffles."""
-    return gl.BlockedLayout([FIELDS], [32], [num_warps], [0])
-
-
-@gluon.jit
-def _hand(slots, k_ready, k_empty, it, fields, STAGES: gl.constexpr):
-    """The loader: an item's ``fields`` (``n_tiles`` 0: no more items) to the consumers at ring tile ``it``
-    (the item's first K tile), in that stage's slot once the stage is free (both consumers read the slot
-    before they released it). The TMA completing the tile's ``k_ready`` barrier publishes the slot; the end
-    arrives on it itself."""
-    s = it % STAGES
-    mbarrier.wait(k_empty.index(s), ((it // STAGES) & 1) ^ 1)
-    layout: gl.constexpr = _slot_layout(gl.num_warps())
-    k = gl.arange(0, FIELDS, layout=layout)
-    v = gl.zeros([FIELDS], gl.int32, layout)
-    for j in gl.static_range(FIELDS):
-        v = gl.where(k == j, fields[j], v)
-    slots.index(s).store(v)
-    if fields[6] == 0:
-        mbarrier.arrive(k_ready.index(s), count=1)
-
-
-@gluon.jit
-def _field(v, k, j: gl.constexpr):
-    return _uniform(gl.sum(gl.where(k == j, v, 0), 0))
-
-
-@gluon.jit
-def _handed(slots, k_ready, it, STAGES: gl.constexpr):
-    """A consumer: the fields of the item the loader handed at ring tile ``it`` (``n_tiles`` 0: no more)."""
-    s = it % STAGES
-    mbarrier.wait(k_ready.index(s), (it // STAGES) & 1)
-    layout: gl.constexpr = _slot_layout(gl.num_warps())
-    v = slots.index(s).load(layout)
-    k = gl.arange(0, FIELDS, layout=layout)
-    return (_field(v, k, 0), _field(v, k, 1), _field(v, k, 2), _field(v, k, 3), _field(v, k, 4), _field(v, k, 5),
-            _field(v, k, 6), _field(v, k, 7))
-
-
-@gluon.jit
-def _load_q(q_load, n, tok, kvh):
-    """The loader: the ``n``-th live item's query rows (``TOKS`` tokens from ``tok`` x ``GROUP`` heads of KV head
-    ``kvh`` a consumer) into Q buffer ``n % 2`` once both consumers are done with its last item."""
-    q_desc, q_smem, q_ready, q_empty = q_load
-    TOKS: gl.constexpr = q_desc.block_type.shape[0]
-    GROUP: gl.constexpr = q_desc.block_type.shape[1]
-    D: gl.constexpr = q_desc.block_type.shape[2]
-    j = n % 2
-    mbarrier.wait(q_empty.index(j), ((n // 2) & 1) ^ 1)
-    mbarrier.expect(q_ready.index(j), CONSUMERS * TOKS * GROUP * D * q_desc.dtype.primitive_bitwidth // 8)
-    for w in gl.static_range(CONSUMERS):
-        tile = q_smem.index(j * CONSUMERS + w)._reinterpret(q_desc.dtype, [TOKS, GROUP, D], q_desc.layout)
-        tma.async_copy_global_to_shared(q_desc, [tok + w * TOKS, kvh * GROUP, 0], q_ready.index(j), tile)
-
-
 @gluon.jit
 def _load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, slots, bt_ptr, meta,
                     counter_ptr, stride_btb, stride_btn, n_items, page_rows, head_rows, head_cols, oob_row, q_load,
@@ -179,14 +107,15 @@ def _load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v
                                                                                 CAUSAL, 1)
         if live:
             if Q_TMA:
-                _load_q(q_load, n, q_begin + t0, kvh)
+                GROUP: gl.constexpr = q_load[0].block_type.shape[1]
+                load_q(q_load, n, (q_begin + t0, kvh * GROUP, 0))
                 n += 1
-            _hand(slots, k_ready, k_empty, it, (kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full), STAGES)
+            hand(slots, k_ready, k_empty, it, (kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full), STAGES)
             it = load_range(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles,
                             bt_ptr + b * stride_btb, stride_btn, 0, seq_len, kvh, kvh * head_cols, page_rows,
                             head_rows, oob_row, BS, BLOCK_N, PAGE_BOX, STAGES, True)
-        i = gl.num_programs(0) + _uniform(gl.atomic_add(counter_ptr, 1))
-    _hand(slots, k_ready, k_empty, it, (0, 0, 0, 0, 0, 0, 0, 0), STAGES)
+        i = gl.num_programs(0) + uniform(gl.atomic_add(counter_ptr, 1))
+    hand_end(slots, k_ready, k_empty, it, STAGES)
 
 
 @gluon.jit
@@ -203,7 +132,7 @@ def _consumer_partition(rows, slots, q_load, WG: gl.constexpr, GROUP: gl.constex
     _, _, q_ready, q_empty = q_load
     it = gl.to_tensor(0)
     n = gl.to_tensor(0)  # items so far (Q buffer n % 2)
-    kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full = _handed(slots, k_ready, it, STAGES)
+    kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full = handed(slots, k_ready, it, STAGES)
     while n_tiles > 0:
         if Q_TMA:  # the loader's TMA: rows past the request hold its neighbours' (or zeros), never stored
             q_tile = q_smem.index((n % 2) * CONSUMERS + WG)
@@ -228,7 +157,7 @@ def _consumer_partition(rows, slots, q_load, WG: gl.constexpr, GROUP: gl.constex
             mbarrier.arrive(q_empty.index(n % 2), count=1)
             n += 1
         o, lse = finish_state(acc, m_i, l_i)
-        nxt = _handed(slots, k_ready, it, STAGES)
+        nxt = handed(slots, k_ready, it, STAGES)
         _store_rows(rows, kvh, q_begin, q_len, t0, o, lse, WG, GROUP, D, BLOCK_N, SINKS)
         kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full = nxt
 
@@ -310,16 +239,6 @@ def _prefill_sm90_kernel(
     ], [4, 1], [232, 48])
 
 
-def _q_descriptor(q: torch.Tensor, group: int):
-    """A TMA descriptor of the queries ``[T, Hq, D]`` in ``[ROWS // group, group, D]`` boxes (a consumer's
-    rows of an item), or None when their strides or address do not allow one (16-byte aligned)."""
-    esize = q.element_size()
-    if q.data_ptr() % 16 or (q.stride(0) * esize) % 16 or (q.stride(1) * esize) % 16 or q.stride(2) != 1:
-        return None
-    block = (ROWS.value // group, group, q.shape[2])
-    return TensorDescriptor(q, list(q.shape), list(q.stride()), list(block), shared_layout(block, q.dtype))
-
-
 def sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, softcap: float, window: int,
                 scales) -> dict | None:
     """The Hopper kernel's settings for this call, or None when it does not cover it and the
@@ -347,7 +266,7 @@ def prefill_sm90(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sc
     block_b = min(1024, pow2(batch + 1))
     n_x = t // tok + batch  # query tiles (the requests' tiles laid end to end, one spare per request)
     grid = (min(n_x * hkv, num_sms(q.device)),)  # one program an SM (its shared memory)
-    q_desc = _q_descriptor(q, group)
+    q_desc = q_descriptor(q, (ROWS.value // group, group, d))
     launch(
         _prefill_sm90_kernel, grid,
         q, q_desc, *descriptors(k_cache, v_cache, view, cfg["page_box"], cfg["block_n"]), block_table, seq_lens,
