@@ -37,8 +37,8 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from paged_backend.kernels.attend import LOG2E
 from paged_backend.kernels.attend_sm90 import (ROWS, alloc_ring, alloc_rings, attend_tiles, covered, descriptors,
                                                finish_state, io_layout, load_range, load_rows, mma_layout,
-                                               release_tiles)
-from paged_backend.kernels.decode_sm90 import consumer as tail_consumer, loader as tail_loader
+                                               q_descriptor, q_tma, release_tiles)
+from paged_backend.kernels.decode_sm90 import alloc_hand, consumer as tail_consumer, loader as tail_loader
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
 
 NODE_BLOCK_M = 128  # the plan tile the kernel takes: CONSUMERS x ROWS rows
@@ -132,13 +132,14 @@ def _node_consumer_partition(rows, pieces, WG: gl.constexpr, GROUP: gl.constexpr
 
 @gluon.jit
 def _cascade_node_sm90_kernel(
-    q_ptr, k_desc, v_desc, bt_ptr, members_ptr, work_ptr, prog_ptr, leaf_ptr, tail_prog_ptr, seq_lens_ptr,
+    q_ptr, k_desc, v_desc, t_q, bt_ptr, members_ptr, work_ptr, prog_ptr, leaf_ptr, tail_prog_ptr, seq_lens_ptr,
     po_ptr, plse_ptr, sm_scale, cap, max_tokens, page_rows, head_rows, head_cols, oob_row,
     stride_qb, stride_qh, stride_btb, stride_btn, stride_sl, stride_pop, stride_poh, stride_plp, stride_plh,
     GROUP: gl.constexpr, GP: gl.constexpr, NQ: gl.constexpr, BS: gl.constexpr, D: gl.constexpr,
     BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr, STAGES: gl.constexpr, TAIL_STAGES: gl.constexpr,
     PDL: gl.constexpr, TAILS: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
+    """``t_q``: the queries again, as the tails read them: a TMA descriptor (``TAILS``; else not read)."""
     if PDL:  # the tails or the merge may launch now: they wait for this grid where they must
         gdc_launch_dependents()
     # Row strides are >= 0 (torch's): their 64-bit products need no sign words, which the compiler would otherwise
@@ -154,24 +155,23 @@ def _cascade_node_sm90_kernel(
     pieces = (work_ptr, prog_ptr)
     if TAILS:  # the Hopper decode's consumer and loader over the program's tail pieces, on a ring of their own
         op: gl.constexpr = k_desc.dtype
-        t_q = gl.allocate_shared_memory(op, [NQ, D], gl.NVMMASharedLayout.get_default_for([NQ, D], op))
         t_k, t_v, t_kr, t_vr, t_ke, t_ve = alloc_ring(k_desc, v_desc, BLOCK_N, TAIL_STAGES, 1)
-        t_p = gl.allocate_shared_memory(op, [NQ, BLOCK_N], gl.NVMMASharedLayout.get_default_for([NQ, BLOCK_N], op))
-        t_smem = (t_q, t_k, t_v, t_v, t_p, t_kr, t_vr, t_ke, t_ve)  # (16-bit caches: V's tiles are the operand)
+        t_qs, t_p, t_slots, t_qr, t_qready, t_qempty = alloc_hand(t_q, op, BLOCK_N, TAIL_STAGES, False)
+        # (16-bit caches: V's tiles are the operand)
+        t_smem = (t_qs, t_k, t_v, t_v, t_p, t_kr, t_vr, t_ke, t_ve, t_slots, t_qr, t_qready, t_qempty)
         # (tails write partial slots only: the output, scales and sinks are not read)
-        t_rows = (q_ptr, po_ptr, plse_ptr, po_ptr, plse_ptr, plse_ptr, plse_ptr, plse_ptr, sm_scale, cap, stride_qb,
-                  stride_qh, stride_pop, stride_poh, stride_plp, stride_plh, stride_pop, stride_poh, stride_plp,
-                  stride_plh)
+        t_rows = (po_ptr, plse_ptr, po_ptr, plse_ptr, plse_ptr, plse_ptr, plse_ptr, sm_scale, cap, stride_pop,
+                  stride_poh, stride_plp, stride_plh, stride_pop, stride_poh, stride_plp, stride_plh)
         t_pieces = (leaf_ptr, tail_prog_ptr, seq_lens_ptr, stride_sl, max_tokens)
         gl.warp_specialize([
             (_node_consumer_partition, (rows, pieces, 0, GROUP, GP, D, BLOCK_N, STAGES, SOFTCAP)),
             (_node_consumer_partition, (rows, pieces, 1, GROUP, GP, D, BLOCK_N, STAGES, SOFTCAP)),
-            (tail_consumer, (t_rows, t_pieces, t_smem, GROUP, NQ, D, BLOCK_N, TAIL_STAGES, SOFTCAP, False, True)),
+            (tail_consumer, (t_rows, t_smem, GROUP, NQ, D, BLOCK_N, TAIL_STAGES, SOFTCAP, False, True)),
             (_node_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pieces,
                                     bt_ptr, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
                                     BS, BLOCK_N, PAGE_BOX, STAGES)),
-            (tail_loader, (k_desc, v_desc, bt_ptr, t_pieces, t_smem, stride_btb, stride_btn, page_rows, head_rows,
-                           head_cols, oob_row, BS, BLOCK_N, PAGE_BOX, TAIL_STAGES)),
+            (tail_loader, (k_desc, v_desc, t_q, bt_ptr, t_pieces, t_smem, stride_btb, stride_btn, page_rows,
+                           head_rows, head_cols, oob_row, GROUP, BS, BLOCK_N, PAGE_BOX, TAIL_STAGES)),
         ], [4, 4, 1, 1], TAIL_REGS)
     else:
         gl.warp_specialize([
@@ -187,7 +187,8 @@ def node_sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scales) -> dict | None:
     """The Hopper node kernel's settings for a plan's node pieces, or None (the portable node kernel
     runs; the caller checked the device): what ``attend_sm90.covered`` covers, a plan tile of 128
-    rows and node ranges cut at multiples of 64 keys, no window or fp8 scales (soft-capped or not).
+    rows and node ranges cut at multiples of 64 keys, no window or fp8 scales (soft-capped or not), queries
+    that TMA can read (the tails take them so).
 
     Tiles of 64 keys in three stages, where the prefill kernel takes 128 x 2: node pieces are short
     (a few dozen tiles) and tail pieces shorter, and finer stages keep more of them in flight (H100,
@@ -196,7 +197,7 @@ def node_sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if scales[0] is not None or plan.window or plan.block_m != NODE_BLOCK_M or plan.node_block_n % 64:
         return None
     view = covered(q, k_cache, v_cache)
-    if view is None:
+    if view is None or not q_tma(q):
         return None
     block_n, stages = NODE_TILE
     return dict(block_n=block_n, page_box=min(k_cache.shape[1], 64), stages=stages, view=view, softcap=softcap)
@@ -212,12 +213,14 @@ def cascade_nodes_sm90(q, k_cache, v_cache, plan, scale: float, cfg: dict, pdl: 
     v, view = plan.views, cfg["view"]
     bt, sl, po, plse = v["block_table"], v["seq_lens"], plan.partial_o, plan.partial_lse
     grid = (plan.node_programs,)
-    args = (q, *descriptors(k_cache, v_cache, view, cfg["page_box"], cfg["block_n"]), bt, v["members"],
+    nq = max(8, group)
+    args = (q, *descriptors(k_cache, v_cache, view, cfg["page_box"], cfg["block_n"]),
+            q_descriptor(q, (1, nq, d)) if tails else q, bt, v["members"],
             v["node_work"], v["node_prog_ptr"], v["leaf_work"], v["fused_prog_ptr" if tails else "node_prog_ptr"],
             sl, po, plse, scale, cfg["softcap"] * LOG2E, bt.shape[1] * bs, *view[2:], view[0],
             q.stride(0), q.stride(1), *bt.stride(), sl.stride(0), po.stride(0), po.stride(1), *plse.stride())
-    kw = dict(GROUP=group, GP=1 << max(0, (group - 1).bit_length()), NQ=max(8, group), BS=bs, D=d,
+    kw = dict(GROUP=group, GP=1 << max(0, (group - 1).bit_length()), NQ=nq, BS=bs, D=d,
               BLOCK_N=cfg["block_n"], PAGE_BOX=cfg["page_box"], STAGES=cfg["stages"], TAIL_STAGES=TAIL_STAGES,
               PDL=pdl, TAILS=tails, SOFTCAP=cfg["softcap"] > 0, num_warps=4)
     bound = launch(_cascade_node_sm90_kernel, grid, *args, **kw)
-    return bound and DescriptorRelaunch(bound, 3)
+    return bound and DescriptorRelaunch(bound, 4, again=(0,))

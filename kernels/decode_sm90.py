@@ -24,7 +24,9 @@ row sums are kept per element and reduced once at the piece's end. Over fp8, que
 portable kernel takes them (``attend.mma_operand``: bf16 saturated to fp16's range), the
 probabilities round to fp16, the scales fold into the scores' scale and the output; over 16-bit
 caches everything is in the cache's dtype as in the portable kernel. Two programs share an SM, three
-over fp8 (the plan's ``programs_per_sm``), each one consumer warpgroup and one loader warp.
+over fp8 (the plan's ``programs_per_sm``), each one consumer warpgroup and one loader warp. The loader
+hands the consumer each piece's fields and queries (TMA boxes ``[1, NQ, D]`` of q): a piece's start
+waits on no global load (the cascade's short tails run these partitions too).
 
 H200, 2026-11-29 23:33 UTC, against the same plan on the portable kernel and FlashInfer in one run
 (``benchmarks/results/h200.md`` "Paged decode"): fp8 B8x32K 225.3 -> 143.7 us eager, 140.4 us in a
@@ -43,12 +45,13 @@ import numpy as np
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from paged_backend.kernels.attend import LOG2E
-from paged_backend.kernels.attend_sm90 import (alloc_ring, attend_swapped, descriptors, finish_swapped, io_layout,
-                                               load_range, sink_scale, swapped_layout)
+from paged_backend.kernels.attend_sm90 import (FIELDS, alloc_ring, attend_swapped, descriptors, finish_swapped,
+                                               hand, hand_end, handed, io_layout, load_q, load_range, q_descriptor,
+                                               q_tma, sink_scale, swapped_layout)
 from paged_backend.kernels.attend_sm90 import covered as covered_sm90  # (this module's covered adds the plan's terms)
 from paged_backend.kernels.dispatch import SM90_DECODE_GROUP
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
@@ -82,15 +85,16 @@ def _piece(pieces, p):
 
 
 @gluon.jit
-def consumer(rows, pieces, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+def consumer(rows, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, SOFTCAP: gl.constexpr, SINKS: gl.constexpr, PARTIAL: gl.constexpr):
-    """One warpgroup: every piece of this program, in order, into ``out``/``lse`` or its partial slot
+    """One warpgroup: every piece the loader hands, in order, into ``out``/``lse`` or its partial slot
     (``SINKS``: the sinks join the states written to ``out``/``lse``; the fold adds them to the others;
-    ``PARTIAL``: every piece has a slot - a cascade's tails, kernels/cascade_sm90.py - and no output is written)."""
-    (q_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sinks_ptr, sm_scale, cap, stride_qb, stride_qh,
-     stride_ob, stride_oh, stride_lb, stride_lh, stride_pop, stride_poh, stride_plp, stride_plh) = rows
-    prog_ptr = pieces[1]
-    q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty = smem
+    ``PARTIAL``: every piece has a slot - a cascade's tails, kernels/cascade_sm90.py - and no output is written).
+    A piece's fields and queries come from the loader with its first K tile: nothing it needs is a global load
+    away (H200: 4096/256/128's cascade 67.1 -> 62.7 us in graphs, its short tails no longer wait on two)."""
+    (out_ptr, lse_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sinks_ptr, sm_scale, cap, stride_ob, stride_oh, stride_lb,
+     stride_lh, stride_pop, stride_poh, stride_plp, stride_plh) = rows
+    q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, slots, q_ring, q_ready, q_empty = smem
     s_layout: gl.constexpr = swapped_layout(NQ)
     F8: gl.constexpr = k_smem.dtype.is_fp8()
     qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
@@ -98,27 +102,30 @@ def consumer(rows, pieces, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.co
     if F8:  # the cache's scales: k's folds into the scores' scale, v's into the output
         qk_scale = qk_scale * gl.load(ks_ptr)
         v_scale = gl.load(vs_ptr)
-    h_io = gl.arange(0, NQ, layout=gl.SliceLayout(1, io_layout()))
-    d_io = gl.arange(0, D, layout=gl.SliceLayout(0, io_layout()))
     h = gl.arange(0, NQ, layout=gl.SliceLayout(0, s_layout))
     d = gl.arange(0, D, layout=gl.SliceLayout(1, s_layout))
-    g = gl.program_id(0)
+    ok = h < GROUP
     it = gl.to_tensor(0)
-    for p in range(gl.load(prog_ptr + g), gl.load(prog_ptr + g + 1)):
-        b, kvh, start, end, slot = _piece(pieces, p)
-        q = gl.load(q_ptr + b * stride_qb + (kvh * GROUP + h_io)[:, None] * stride_qh + d_io[None, :],
-                    mask=(h_io < GROUP)[:, None], other=0.0)
-        if F8:  # fp16 operands (attend.mma_operand): bf16 saturated to fp16's range
-            q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0)
-        q_smem.store(q.to(q_smem.dtype))
-        fence_async_shared()
-        n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 1)
-        acc, m_i, l_i = attend_swapped(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, it,
+    n = gl.to_tensor(0)  # pieces so far (Q buffer n % 2)
+    b, kvh, start, end, slot, _, n_tiles, _ = handed(slots, k_ready, it, STAGES)
+    while n_tiles > 0:
+        mbarrier.wait(q_ready.index(n % 2), (n // 2) & 1)
+        if F8:  # fp16 operands (attend.mma_operand): the queries saturated to fp16's range
+            q = q_ring.index(n % 2).load(io_layout()).to(gl.float32)
+            mbarrier.arrive(q_empty.index(n % 2), count=1)
+            q_tile = q_smem
+            q_tile.store(gl.minimum(gl.maximum(q, -65504.0), 65504.0).to(q_smem.dtype))
+            fence_async_shared()
+        else:
+            q_tile = q_ring.index(n % 2)
+        acc, m_i, l_i = attend_swapped(q_tile, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, it,
                                        n_tiles, (end - start) // BLOCK_N, start, end, qk_scale, cap, D, NQ, BLOCK_N,
                                        STAGES, SOFTCAP)
+        if not F8:
+            mbarrier.arrive(q_empty.index(n % 2), count=1)
         it += n_tiles
+        n += 1
         o, lse = finish_swapped(acc, m_i, l_i, v_scale)
-        ok = h < GROUP
         if PARTIAL:
             _store_partial(rows, slot, o, lse, h, d, ok)
         elif slot < 0:  # the segment's only piece: the output itself
@@ -126,45 +133,78 @@ def consumer(rows, pieces, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.co
             if SINKS:  # a key of logit sinks[h] and value 0: only the denominator grows
                 factor, lse = sink_scale(lse, gl.load(sinks_ptr + qh, mask=ok, other=0.0))
                 o = o * factor[None, :]
-            gl.store(out_ptr + b * stride_ob + qh[None, :] * stride_oh + d[:, None], o.to(out_ptr.dtype.element_ty),
-                     mask=ok[None, :])
-            gl.store(lse_ptr + b * stride_lb + qh * stride_lh, lse, mask=ok)
+            b64 = b.to(gl.int64)
+            gl.store(out_ptr + b64 * stride_ob + qh[None, :] * stride_oh + d[:, None],
+                     o.to(out_ptr.dtype.element_ty), mask=ok[None, :])
+            gl.store(lse_ptr + b64 * stride_lb + qh * stride_lh, lse, mask=ok)
         else:
             _store_partial(rows, slot, o, lse, h, d, ok)
+        b, kvh, start, end, slot, _, n_tiles, _ = handed(slots, k_ready, it, STAGES)
 
 
 @gluon.jit
 def _store_partial(rows, slot, o, lse, h, d, ok):
     """A piece's state ``o [D, NQ]``, ``lse [NQ]`` into its partial slot (heads ``h``, ``ok``: real ones)."""
-    po_ptr, plse_ptr = rows[3], rows[4]
-    stride_pop, stride_poh, stride_plp, stride_plh = rows[16:]
+    po_ptr, plse_ptr = rows[2], rows[3]
+    stride_pop, stride_poh, stride_plp, stride_plh = rows[13:]
     at = slot.to(gl.int64)
     gl.store(po_ptr + at * stride_pop + h[None, :] * stride_poh + d[:, None], o, mask=ok[None, :])
     gl.store(plse_ptr + at * stride_plp + h * stride_plh, lse, mask=ok)
 
 
 @gluon.jit
-def loader(k_desc, v_desc, bt_ptr, pieces, smem, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
-           BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: the K/V tiles of every piece of this program, in order."""
+def loader(k_desc, v_desc, q_desc, bt_ptr, pieces, smem, stride_btb, stride_btn, page_rows, head_rows, head_cols,
+           oob_row, GROUP: gl.constexpr, BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr,
+           STAGES: gl.constexpr):
+    """One warp: every piece of this program, in order - its fields to the consumer, its queries (``q_desc``:
+    ``[1, NQ, D]`` boxes, the rows past the group its neighbours' or zeros, never stored) and its K/V tiles."""
     k_smem, v_smem = smem[1], smem[2]
-    k_ready, v_ready, k_empty, v_empty = smem[5:]
+    k_ready, v_ready, k_empty, v_empty, slots, q_ring, q_ready, q_empty = smem[5:]
     prog_ptr = pieces[1]
     g = gl.program_id(0)
     it = gl.to_tensor(0)
+    n = gl.to_tensor(0)
     for p in range(gl.load(prog_ptr + g), gl.load(prog_ptr + g + 1)):
-        b, kvh, start, end, _ = _piece(pieces, p)
-        it = load_range(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it,
-                        gl.maximum(gl.cdiv(end - start, BLOCK_N), 1), bt_ptr + b * stride_btb, stride_btn, start,
-                        end, kvh, kvh * head_cols, page_rows, head_rows, oob_row, BS, BLOCK_N, PAGE_BOX, STAGES)
+        b, kvh, start, end, slot = _piece(pieces, p)
+        n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 1)
+        load_q((q_desc, q_ring, q_ready, q_empty), n, (b.to(gl.int32), kvh * GROUP, 0))
+        n += 1
+        hand(slots, k_ready, k_empty, it, (b.to(gl.int32), kvh, start, end, slot, 0, n_tiles, 0), STAGES)
+        it = load_range(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles,
+                        bt_ptr + b * stride_btb, stride_btn, start, end, kvh, kvh * head_cols, page_rows, head_rows,
+                        oob_row, BS, BLOCK_N, PAGE_BOX, STAGES)
+    hand_end(slots, k_ready, k_empty, it, STAGES)
+
+
+@gluon.jit
+def alloc_hand(q_desc, op: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, F8: gl.constexpr):
+    """Shared memory of :func:`loader` and :func:`consumer` but the K/V ring: the queries' tile (``op``), P's
+    tile, two query boxes as they come (the tile itself, but over ``F8`` caches, where the consumer converts
+    them) and their barriers, a slot of fields a ring stage. -> (q_smem, p_smem, slots, q_ring, q_ready, q_empty)."""
+    NQ: gl.constexpr = q_desc.block_type.shape[1]
+    D: gl.constexpr = q_desc.block_type.shape[2]
+    q_ring = gl.allocate_shared_memory(q_desc.dtype, [2, NQ, D], gl.NVMMASharedLayout.get_default_for([NQ, D],
+                                                                                                     q_desc.dtype))
+    if F8:
+        q_smem = gl.allocate_shared_memory(op, [NQ, D], gl.NVMMASharedLayout.get_default_for([NQ, D], op))
+    else:
+        q_smem = q_ring  # (not used: the boxes are the operand)
+    p_smem = gl.allocate_shared_memory(op, [NQ, BLOCK_N], gl.NVMMASharedLayout.get_default_for([NQ, BLOCK_N], op))
+    slots = gl.allocate_shared_memory(gl.int32, [STAGES, FIELDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(2):
+        mbarrier.init(q_ready.index(j), count=1)
+        mbarrier.init(q_empty.index(j), count=1)
+    return q_smem, p_smem, slots, q_ring, q_ready, q_empty
 
 
 @gluon.jit
 def _decode_sm90_kernel(
-    q_ptr, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,  # a call's own arguments first (relaunch)
+    q_desc, k_desc, v_desc, bt_ptr, seq_lens_ptr, out_ptr, lse_ptr,  # a call's own arguments first (relaunch)
     work_ptr, prog_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sinks_ptr, sm_scale, cap, max_tokens, page_rows, head_rows,
-    head_cols, oob_row, stride_qb, stride_qh, stride_sl, stride_btb, stride_btn, stride_ob, stride_oh, stride_lb,
-    stride_lh, stride_pop, stride_poh, stride_plp, stride_plh,
+    head_cols, oob_row, stride_sl, stride_btb, stride_btn, stride_ob, stride_oh, stride_lb, stride_lh, stride_pop,
+    stride_poh, stride_plp, stride_plh,
     GROUP: gl.constexpr, NQ: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
     PAGE_BOX: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr, SOFTCAP: gl.constexpr, SINKS: gl.constexpr,
 ):
@@ -172,21 +212,20 @@ def _decode_sm90_kernel(
         gdc_launch_dependents()
     F8: gl.constexpr = k_desc.dtype.is_fp8()
     op: gl.constexpr = gl.float16 if F8 else k_desc.dtype  # the GEMMs' operand dtype
-    q_smem = gl.allocate_shared_memory(op, [NQ, D], gl.NVMMASharedLayout.get_default_for([NQ, D], op))
     k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_ring(k_desc, v_desc, BLOCK_N, STAGES, 1)
     if F8:
         v16 = gl.allocate_shared_memory(op, [BLOCK_N, D], gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], op))
     else:
         v16 = v_smem  # (not used: V's tiles are the operand)
-    p_smem = gl.allocate_shared_memory(op, [NQ, BLOCK_N], gl.NVMMASharedLayout.get_default_for([NQ, BLOCK_N], op))
-    smem = (q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty)
-    rows = (q_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sinks_ptr, sm_scale, cap, stride_qb, stride_qh,
-            stride_ob, stride_oh, stride_lb, stride_lh, stride_pop, stride_poh, stride_plp, stride_plh)
+    q_smem, p_smem, slots, q_ring, q_ready, q_empty = alloc_hand(q_desc, op, BLOCK_N, STAGES, F8)
+    smem = (q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, slots, q_ring, q_ready, q_empty)
+    rows = (out_ptr, lse_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sinks_ptr, sm_scale, cap, stride_ob, stride_oh,
+            stride_lb, stride_lh, stride_pop, stride_poh, stride_plp, stride_plh)
     pieces = (work_ptr, prog_ptr, seq_lens_ptr, stride_sl, max_tokens)
     gl.warp_specialize([
-        (consumer, (rows, pieces, smem, GROUP, NQ, D, BLOCK_N, STAGES, SOFTCAP, SINKS, False)),
-        (loader, (k_desc, v_desc, bt_ptr, pieces, smem, stride_btb, stride_btn, page_rows, head_rows, head_cols,
-                   oob_row, BS, BLOCK_N, PAGE_BOX, STAGES)),
+        (consumer, (rows, smem, GROUP, NQ, D, BLOCK_N, STAGES, SOFTCAP, SINKS, False)),
+        (loader, (k_desc, v_desc, q_desc, bt_ptr, pieces, smem, stride_btb, stride_btn, page_rows, head_rows,
+                  head_cols, oob_row, GROUP, BS, BLOCK_N, PAGE_BOX, STAGES)),
     ], [1], [24])
 
 
@@ -195,8 +234,8 @@ def covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan)
     does): what ``attend_sm90.covered`` takes over a cache of the queries' dtype or fp8, with a group of
     at most 16 (the accumulators of larger ones spill in the two-programs-an-SM register budget), a
     plan without a window cut at multiples of the tile with at least ``MIN_TILES_PER_PROGRAM`` tiles a
-    program (soft-capping and sinks are the kernel's own: :func:`decode_sm90` takes them)."""
-    if plan.window or plan.block_n % TILE[0]:
+    program, queries TMA can read (soft-capping and sinks are the kernel's own: :func:`decode_sm90` takes them)."""
+    if plan.window or plan.block_n % TILE[0] or not q_tma(q):
         return None
     if q.shape[-2] // k_cache.shape[2] > SM90_DECODE_GROUP:
         return None
@@ -221,13 +260,15 @@ def decode_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scal
     stages = max(1, stages // k_cache.element_size())  # 16-bit: the same bytes in flight
     box = min(bs, block_n)
     po, plse = plan.partial_o, plan.partial_lse
+    nq = max(8, group)
     bound = launch(
-        _decode_sm90_kernel, (plan.num_programs,), q, *descriptors(k_cache, v_cache, view, box, block_n),
+        _decode_sm90_kernel, (plan.num_programs,), q_descriptor(q, (1, nq, d)),
+        *descriptors(k_cache, v_cache, view, box, block_n),
         block_table, seq_lens, out, lse, plan.work, plan.prog_ptr, po, plse,
         *(q if x is None else x for x in scales),  # (16-bit: not read)
         lse if sinks is None else sinks, scale, softcap * LOG2E, block_table.shape[1] * bs, *view[2:], view[0],
-        q.stride(0), q.stride(1), seq_lens.stride(0), *block_table.stride(), out.stride(0), out.stride(1),
+        seq_lens.stride(0), *block_table.stride(), out.stride(0), out.stride(1),
         *lse.stride(), po.stride(0), po.stride(1), *plse.stride(),
-        GROUP=group, NQ=max(8, group), BS=bs, D=d, BLOCK_N=block_n, PAGE_BOX=box, STAGES=stages, PDL=pdl,
+        GROUP=group, NQ=nq, BS=bs, D=d, BLOCK_N=block_n, PAGE_BOX=box, STAGES=stages, PDL=pdl,
         SOFTCAP=softcap > 0, SINKS=sinks is not None, num_warps=4, maxnreg=MAXNREG[per_sm])
     return bound and DescriptorRelaunch(bound, 7)

@@ -202,10 +202,13 @@ class DescriptorRelaunch:
     (Gluon's ``TensorDescriptor``, kernels/*_sm90.py): called like a relaunch with a tensor's
     address in each descriptor's place, it passes a descriptor of that address with the bound one's
     shape, strides and padding (on Triton 3.6 the kept TMA map of that address, see
-    :class:`_TmaLaunch`). No tensor behind a descriptor is kept."""
-    __slots__ = ("relaunch", "fn", "context", "descs", "tma")
+    :class:`_TmaLaunch`). No tensor behind a descriptor is kept. ``again``: positions of the caller's
+    arguments that the kernel takes a second time, after them (a tensor bound as a pointer and as a
+    descriptor): the caller passes ``n - len(again)``."""
+    __slots__ = ("relaunch", "fn", "context", "descs", "tma", "again")
 
-    def __init__(self, bound: Bound, n: int):
+    def __init__(self, bound: Bound, n: int, again: tuple = ()):
+        self.again = again
         self.relaunch = bound.lead(n)
         self.fn, self.context = self.relaunch.fn, self.relaunch.context
         # lead position -> (shape, strides, padding) of the descriptor bound there
@@ -215,7 +218,7 @@ class DescriptorRelaunch:
         self.tma = tma if tma is not None and all(i < n for i in tma.nth) else None
 
     def __call__(self, stream, *lead) -> None:
-        lead = [*lead]
+        lead = [*lead, *(lead[i] for i in self.again)]
         for i, (shape, strides, padding) in self.descs.items():
             lead[i] = _HostDescriptor(_Address(lead[i]), shape, strides, padding)
         r = self.relaunch

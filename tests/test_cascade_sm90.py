@@ -11,9 +11,9 @@ import torch
 
 import paged_backend as pb
 from paged_backend.cascade import cascade_node_kernel_name
-from paged_backend.kernels.cascade import SM90_TAIL_GROUP
+from paged_backend.kernels.cascade import SM90_TAIL_GROUP, runs_tails
 from paged_backend.kernels.dispatch import SM90_TRITON, triton_release
-from tests.paged_inputs import make_cache, poison_outside
+from tests.paged_inputs import make_cache, misaligned, of_fused_rows, poison_outside
 from tests.reference import assert_close_state, decode_reference
 from tests.test_cascade import KEEP_ALL
 from tests.test_cascade_plan import fused_expected
@@ -151,7 +151,22 @@ def test_replays_with_new_addresses():
         want = pb.cascade_decode(*args, fresh)
         got = pb.cascade_decode(*args, cplan)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert len(replays[0].tma.maps) == 4  # (k, v) at two addresses
+    assert len(replays[0].tma.maps) == 6  # (k, v and the tails' q) at two addresses
+
+
+@pytest.mark.parametrize("view", ["of_qkv", "unaligned"])
+def test_query_views(view):
+    """The queries as a view of a fused QKV projection's rows (TMA reads them: the Hopper kernel and its tails),
+    and at an address TMA cannot read (the portable node kernel runs the call); both exact."""
+    q, k, v, table, lens = groups_inputs([2000], 32, 37, 32, 8, 128, 16, torch.bfloat16)
+    qv = of_fused_rows(q, 2 * 8) if view == "of_qkv" else misaligned(q)
+    bt, sl = torch.from_numpy(table).cuda(), torch.from_numpy(lens.astype(np.int32)).cuda()
+    cplan = pb.plan_cascade(table, lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda",
+                            cost=KEEP_ALL, block_table_device=bt)
+    hopper = "sm90+tails" if runs_tails(cplan) else "sm90"
+    assert cascade_node_kernel_name(qv, k, v, cplan) == (hopper if view == "of_qkv" else "portable")
+    out, lse = pb.cascade_decode(qv, k, v, cplan)
+    assert_close_state(out, lse, *decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu()), q.dtype)
 
 
 def test_a_forest_that_loses_requests_replays_the_first_launches():

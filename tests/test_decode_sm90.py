@@ -11,7 +11,8 @@ import torch
 import paged_backend as pb
 from paged_backend.kernels import decode as D
 from paged_backend.kernels.dispatch import SM90_TRITON, triton_release
-from tests.paged_inputs import make_block_table, make_cache, make_fp8_cache, poison_outside
+from tests.paged_inputs import (make_block_table, make_cache, make_fp8_cache, misaligned, of_fused_rows,
+                                poison_outside)
 from tests.reference import assert_close_state, decode_reference
 
 hopper = pytest.mark.skipif(
@@ -153,6 +154,21 @@ def test_what_it_does_not_take_runs_the_portable_kernel(ran, kw):
     q, k, v, bt, sl, scales, _ = _inputs(lens, 32, 8, 128, 16, torch.float8_e4m3fn, q_dtype)
     out, lse = pb.paged_decode(q, k, v, bt, sl, **kw, **scales)
     assert ran == [False] and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("view", ["of_qkv", "unaligned"])
+def test_query_views(ran, kv_dtype, view):
+    """The queries as a view of a fused QKV projection's rows (the loader reads them by TMA: the Hopper kernel)
+    and at an address TMA cannot read (the portable kernel runs the call); both exact."""
+    lens = [3000, 129, 0, 64]
+    q, k, v, bt, sl, scales, ref_kv = _inputs(lens, 32, 8, 128, 16, kv_dtype, torch.bfloat16)
+    qv = of_fused_rows(q, 2 * 8) if view == "of_qkv" else misaligned(q)
+    plan = pb.plan_decode(np.array(lens), num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda",
+                          kv_dtype=kv_dtype)
+    out, lse = pb.paged_decode(qv, k, v, bt, sl, plan=plan, **scales)
+    assert ran == [view == "of_qkv"]
+    assert_close_state(out, lse, *decode_reference(q, *ref_kv, bt, sl), torch.bfloat16, TOL[torch.bfloat16])
 
 
 def test_small_plans_take_the_portable_kernel():

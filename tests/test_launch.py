@@ -17,7 +17,7 @@ from paged_backend.kernels.decode import _decode_kernel, _fold_states_kernel
 from paged_backend.kernels.dispatch import INTERPRET, use_sm90
 from paged_backend.cascade import cascade_node_kernel_name
 from paged_backend.cascade.plan import CascadeCost
-from paged_inputs import make_cache, make_decode_inputs
+from paged_inputs import make_cache, make_decode_inputs, misaligned
 
 
 @triton.jit
@@ -321,15 +321,6 @@ def test_interpreter_takes_the_normal_path(monkeypatch):
     assert launch._entries == {} and plan.launches == {}
 
 
-def _misaligned(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` whose data starts 1 element past a 16-byte boundary."""
-    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    view = buf[1:].view(t.shape)
-    view.copy_(t)
-    assert view.data_ptr() % 16
-    return view
-
-
 def _assert_direct_matches_normal(monkeypatch, cases: dict, call, kernels: set, plan):
     """Each case through the normal path, then three rounds (the first binds, later ones go direct,
     specializations interleaved: the first through ``launch``, the others through the plan's
@@ -365,9 +356,9 @@ def test_gpu_direct_decode_gives_the_normal_bits(monkeypatch, dtype, mode):
     q, k, v, bt, sl = make_decode_inputs(lens, 32, 8, 128, 16, dtype, device="cuda", layout="vllm")
     plan = pb.plan_decode(lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda",
                           mode=mode)
-    cases = {"contiguous": (q, bt, sl), "misaligned q": (_misaligned(q), bt, sl),
+    cases = {"contiguous": (q, bt, sl), "misaligned q": (misaligned(q), bt, sl),
              "strided q": (q.transpose(0, 1).contiguous().transpose(0, 1), bt, sl),
-             "misaligned table and lengths": (q, _misaligned(bt), _misaligned(sl))}
+             "misaligned table and lengths": (q, misaligned(bt), misaligned(sl))}
     _assert_direct_matches_normal(monkeypatch, cases, lambda q, bt, sl: pb.paged_decode(q, k, v, bt, sl, plan=plan),
                                   {_decode_kernel, _fold_states_kernel}, plan)
 
@@ -387,17 +378,19 @@ def test_gpu_direct_cascade_gives_the_normal_bits(monkeypatch):
     lens = np.full(n, prefix + suffix)
     k, v = make_cache(int(table.max()) + 1, bs, 8, 128, torch.bfloat16, device="cuda")
     q = torch.randn(n, 32, 128, device="cuda").to(torch.bfloat16)
-    cplan = pb.plan_cascade(table, lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=bs, device="cuda",
-                            cost=CascadeCost(0, 0, 0))
-    assert not cplan.is_flat
-    name = cascade_node_kernel_name(q, k, v, cplan)
-    if use_sm90(q.device):  # (H100/H200 with the Triton release the Gluon kernels were checked on)
-        from paged_backend.kernels.cascade_sm90 import _cascade_node_sm90_kernel
-        assert name in ("sm90", "sm90+tails")
-        node = {_cascade_node_sm90_kernel} if name == "sm90+tails" else {_cascade_node_sm90_kernel, _decode_kernel}
-    else:
-        assert name == "portable"
-        node = {_cascade_node_kernel, _decode_kernel}
-    cases = {"contiguous": (q,), "misaligned q": (_misaligned(q),)}
-    _assert_direct_matches_normal(monkeypatch, cases, lambda q: pb.cascade_decode(q, k, v, cplan),
-                                  node | {_fold_states_kernel}, cplan)
+    # (queries TMA cannot read take the portable node kernel: the Hopper one's tails read them by TMA)
+    for case, args in {"contiguous": (q,), "misaligned q": (misaligned(q),)}.items():
+        cplan = pb.plan_cascade(table, lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=bs,
+                                device="cuda", cost=CascadeCost(0, 0, 0))
+        assert not cplan.is_flat
+        name = cascade_node_kernel_name(*args, k, v, cplan)
+        # (H100/H200 with the Triton release the Gluon kernels were checked on)
+        if use_sm90(q.device) and case == "contiguous":
+            from paged_backend.kernels.cascade_sm90 import _cascade_node_sm90_kernel as sm90
+            assert name in ("sm90", "sm90+tails")
+            node = {sm90} if name == "sm90+tails" else {sm90, _decode_kernel}
+        else:
+            assert name == "portable"
+            node = {_cascade_node_kernel, _decode_kernel}
+        _assert_direct_matches_normal(monkeypatch, {case: args}, lambda q, p=cplan: pb.cascade_decode(q, k, v, p),
+                                      node | {_fold_states_kernel}, cplan)

@@ -152,3 +152,20 @@ def strided(t: torch.Tensor) -> torch.Tensor:
     rows further apart): how metadata arrives as a column of a wider host or device buffer."""
     junk = torch.full_like(t, -7)
     return torch.stack([t, junk], dim=-1)[..., 0]
+
+
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` whose data starts 1 element past a 16-byte boundary (what TMA cannot read)."""
+    view = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 16
+    return view
+
+
+def of_fused_rows(q: torch.Tensor, extra_heads: int) -> torch.Tensor:
+    """A copy of queries ``[T, Hq, D]`` as the first ``Hq`` heads of wider rows (a fused QKV projection's
+    output: ``extra_heads`` more heads a row)."""
+    t, hq, d = q.shape
+    view = torch.zeros(t, hq + extra_heads, d, dtype=q.dtype, device=q.device)[:, :hq]
+    view.copy_(q)
+    return view
