@@ -143,7 +143,7 @@ def _cascade_node_sm90_kernel(
     if PDL:  # the tails or the merge may launch now: they wait for this grid where they must
         gdc_launch_dependents()
     # Row strides are >= 0 (torch's): their 64-bit products need no sign words, which the compiler would otherwise
-    # compute before the partitions and carry into them (spilled in the tails' consumer; the others do not matter).
+    # compute before the partitions and carry into them (spilled there; the node consumers read q's strides).
     gl.assume(stride_qb >= 0)
     gl.assume(stride_btb >= 0)
     gl.assume(stride_sl >= 0)

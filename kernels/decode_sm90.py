@@ -91,7 +91,7 @@ def consumer(rows, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr,
     (``SINKS``: the sinks join the states written to ``out``/``lse``; the fold adds them to the others;
     ``PARTIAL``: every piece has a slot - a cascade's tails, kernels/cascade_sm90.py - and no output is written).
     A piece's fields and queries come from the loader with its first K tile: nothing it needs is a global load
-    away (H200: 4096/256/128's cascade 67.1 -> 62.7 us in graphs, its short tails no longer wait on two)."""
+    away (H200 A/B of ours: 4096/256/128's cascade 67.1 -> 62.7 us in graphs; sweeps/decode_q_handoff_h200.log)."""
     (out_ptr, lse_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sinks_ptr, sm_scale, cap, stride_ob, stride_oh, stride_lb,
      stride_lh, stride_pop, stride_poh, stride_plp, stride_plh) = rows
     q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, slots, q_ring, q_ready, q_empty = smem

@@ -218,7 +218,9 @@ class DescriptorRelaunch:
         self.tma = tma if tma is not None and all(i < n for i in tma.nth) else None
 
     def __call__(self, stream, *lead) -> None:
-        lead = [*lead, *(lead[i] for i in self.again)]
+        lead = [*lead]
+        for i in self.again:
+            lead.append(lead[i])
         for i, (shape, strides, padding) in self.descs.items():
             lead[i] = _HostDescriptor(_Address(lead[i]), shape, strides, padding)
         r = self.relaunch
