@@ -68,22 +68,29 @@ def plot_parallel(runs: dict, path: str) -> None:
 
 
 def plot_e2e(runs: dict, path: str) -> None:
-    """Generated tokens/s per engine, one panel per e2e run (model x workload)."""
-    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4.2), squeeze=False)
-    for ax, (name, run) in zip(axes[0], sorted(runs.items())):
-        (model, res), = run["results"].items()
+    """Generated tokens/s per engine, one panel per model of each e2e run (model x workload)."""
+    panels = [(run, model, res) for _, run in sorted(runs.items()) for model, res in run["results"].items()]
+    cols = min(len(panels), 3)
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (run, model, res) in zip(axes.flat, panels):
         engines = [e for e in ("ours", "ours_cascade_graphs", "ours_flat", "ours_cascade", "ours_flat_eager",
-                               "hf_generate", "hf_generate_batch") if isinstance(res.get(e), dict)]
+                               "vllm", "hf_generate", "hf_generate_batch") if isinstance(res.get(e), dict)]
         vals = [res[e].get("tok_s", 0.0) for e in engines]
         colors = ["#1f77b4" if e.startswith("ours") else "#aaaaaa" for e in engines]
         ax.barh(engines[::-1], vals[::-1], color=colors[::-1])
         for y, (e, v) in enumerate(zip(engines[::-1], vals[::-1])):
             ax.text(v, y, f" {v:,.0f}" if v else " out of memory", va="center", fontsize=8)
         w = run["workload"]
-        ax.set_title(f"{model}: {w['prompt_len']} x {w['n']} x {w['new']}", fontsize=10)
+        sampling = ", ".join(f"{k}={v}" for k, v in sorted(w.get("sampling", {}).items()))
+        ax.set_title(f"{model}: {w['prompt_len']} x {w['n']} x {w['new']}" + (f" ({sampling})" if sampling else ""),
+                     fontsize=9)
         ax.set_xlabel("generated tokens / s")
-        ax.set_xlim(0, max(vals) * 1.25)
-    fig.suptitle("Parallel sampling end to end (prompt tokens x samples x new tokens, bf16, H100)")
+        ax.set_xlim(0, max(vals + [1.0]) * 1.3)
+    gpu = panels[0][0].get("gpu", "GPU")
+    fig.suptitle(f"Parallel sampling end to end (prompt tokens x samples x new tokens, bf16, {gpu})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
