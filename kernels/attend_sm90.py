@@ -24,7 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from paged_backend.kernels.dispatch import sm90_shape
+from paged_backend.kernels.dispatch import q_tma, sm90_shape
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M per warpgroup)
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (registers: 2 x 128 threads at 240)
@@ -511,13 +511,6 @@ def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, view, box: int, bl
     d = k_cache.shape[-1]
     layout = shared_layout((block_n, d), k_cache.dtype)
     return [TensorDescriptor(c, [rows, width], [c.stride(1), 1], [box, d], layout) for c in (k_cache, v_cache)]
-
-
-def q_tma(q: torch.Tensor) -> bool:
-    """Whether the queries ``[T, Hq, D]`` can be read by TMA: 16-byte aligned address and row strides."""
-    esize = q.element_size()
-    return q.data_ptr() % 16 == 0 and (q.stride(0) * esize) % 16 == 0 and (q.stride(1) * esize) % 16 == 0 \
-        and q.stride(2) == 1
 
 
 def q_descriptor(q: torch.Tensor, block: tuple):

@@ -31,7 +31,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from paged_backend.kernels.attend import (LOG2E, attend_paged_range, dequantized, fast_tanh, fp8_mma_f16, mma_operand,
                                           sink_states, soft_cap)
 from paged_backend.kernels.decode import call_key, fold_states, remember, run_pieces
-from paged_backend.kernels.dispatch import use_pdl, use_sm90
+from paged_backend.kernels.dispatch import q_tma, use_pdl, use_sm90
 from paged_backend.kernels.launch import launch, pow2, replay_stream
 
 # The largest group whose tails the Hopper node kernel runs beside its node pieces (kernels/cascade_sm90.py):
@@ -152,7 +152,7 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
             return
 
     sm90 = node_sm90_config(q, k_cache, v_cache, plan, softcap, scales) if run_nodes else None
-    fused = sm90 is not None and runs_tails(plan)  # the Hopper node kernel runs the tails too
+    fused = sm90 is not None and runs_tails(plan, q)  # the Hopper node kernel runs the tails too
 
     def nodes():
         if sm90 is not None:  # Hopper: kernels/cascade_sm90.py
@@ -277,10 +277,12 @@ def cascade_torch(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: fl
     lse.copy_(run_lse)
 
 
-def runs_tails(plan) -> bool:
+def runs_tails(plan, q: torch.Tensor) -> bool:
     """Whether the Hopper node kernel runs the plan's tails too, where it runs the plan's node pieces: plans
-    with fused lists (``fused_prog_ptr``) of groups up to ``SM90_TAIL_GROUP``; else the decode kernel does."""
-    return "fused_prog_ptr" in plan.views and plan.num_q_heads // plan.num_kv_heads <= SM90_TAIL_GROUP
+    with fused lists (``fused_prog_ptr``) of groups up to ``SM90_TAIL_GROUP``, queries that TMA reads (the
+    tails take them so); else the decode kernel does."""
+    return "fused_prog_ptr" in plan.views and plan.num_q_heads // plan.num_kv_heads <= SM90_TAIL_GROUP \
+        and q_tma(q)
 
 
 def node_sm90_config(q, k_cache, v_cache, plan, softcap: float, scales):

@@ -37,7 +37,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from paged_backend.kernels.attend import LOG2E
 from paged_backend.kernels.attend_sm90 import (ROWS, alloc_ring, alloc_rings, attend_tiles, covered, descriptors,
                                                finish_state, io_layout, load_range, load_rows, mma_layout,
-                                               q_descriptor, q_tma, release_tiles)
+                                               q_descriptor, release_tiles)
 from paged_backend.kernels.decode_sm90 import alloc_hand, consumer as tail_consumer, loader as tail_loader
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
 
@@ -187,8 +187,8 @@ def node_sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scales) -> dict | None:
     """The Hopper node kernel's settings for a plan's node pieces, or None (the portable node kernel
     runs; the caller checked the device): what ``attend_sm90.covered`` covers, a plan tile of 128
-    rows and node ranges cut at multiples of 64 keys, no window or fp8 scales (soft-capped or not), queries
-    that TMA can read (the tails take them so).
+    rows and node ranges cut at multiples of 64 keys, no window or fp8 scales (soft-capped or not). (Its node
+    pieces read the queries by pointer; its tails only by TMA: ``kernels/cascade.py runs_tails``.)
 
     Tiles of 64 keys in three stages, where the prefill kernel takes 128 x 2: node pieces are short
     (a few dozen tiles) and tail pieces shorter, and finer stages keep more of them in flight (H100,
@@ -197,7 +197,7 @@ def node_sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if scales[0] is not None or plan.window or plan.block_m != NODE_BLOCK_M or plan.node_block_n % 64:
         return None
     view = covered(q, k_cache, v_cache)
-    if view is None or not q_tma(q):
+    if view is None:
         return None
     block_n, stages = NODE_TILE
     return dict(block_n=block_n, page_box=min(k_cache.shape[1], 64), stages=stages, view=view, softcap=softcap)

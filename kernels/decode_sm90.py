@@ -51,9 +51,9 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from paged_backend.kernels.attend import LOG2E
 from paged_backend.kernels.attend_sm90 import (FIELDS, alloc_ring, attend_swapped, descriptors, finish_swapped,
                                                hand, hand_end, handed, io_layout, load_q, load_range, q_descriptor,
-                                               q_tma, sink_scale, swapped_layout)
+                                               sink_scale, swapped_layout)
 from paged_backend.kernels.attend_sm90 import covered as covered_sm90  # (this module's covered adds the plan's terms)
-from paged_backend.kernels.dispatch import SM90_DECODE_GROUP
+from paged_backend.kernels.dispatch import SM90_DECODE_GROUP, q_tma
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
 
 # (keys a K/V tile, ring stages of an fp8 cache at two programs an SM: half as many for 16-bit ones,

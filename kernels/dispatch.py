@@ -31,6 +31,14 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def q_tma(q: torch.Tensor) -> bool:
+    """Whether the queries ``[T, Hq, D]`` can be read by TMA (the Hopper kernels' query boxes): 16-byte aligned
+    address and row strides."""
+    esize = q.element_size()
+    return q.data_ptr() % 16 == 0 and (q.stride(0) * esize) % 16 == 0 and (q.stride(1) * esize) % 16 == 0 \
+        and q.stride(2) == 1
+
+
 def use_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch (a kernel's successor starts before it ends): Hopper (sm_90)
     and later, never in the interpreter; ``PAGED_BACKEND_PDL=0`` turns it off."""

@@ -157,14 +157,15 @@ def test_replays_with_new_addresses():
 @pytest.mark.parametrize("view", ["of_qkv", "unaligned"])
 def test_query_views(view):
     """The queries as a view of a fused QKV projection's rows (TMA reads them: the Hopper kernel and its tails),
-    and at an address TMA cannot read (the portable node kernel runs the call); both exact."""
+    and at an address TMA cannot read (the Hopper kernel's node pieces, which read them by pointer, and the
+    portable decode kernel's tails); both exact."""
     q, k, v, table, lens = groups_inputs([2000], 32, 37, 32, 8, 128, 16, torch.bfloat16)
     qv = of_fused_rows(q, 2 * 8) if view == "of_qkv" else misaligned(q)
     bt, sl = torch.from_numpy(table).cuda(), torch.from_numpy(lens.astype(np.int32)).cuda()
     cplan = pb.plan_cascade(table, lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda",
                             cost=KEEP_ALL, block_table_device=bt)
-    hopper = "sm90+tails" if runs_tails(cplan) else "sm90"
-    assert cascade_node_kernel_name(qv, k, v, cplan) == (hopper if view == "of_qkv" else "portable")
+    assert runs_tails(cplan, qv) == ("fused_prog_ptr" in cplan.views and view == "of_qkv")
+    assert cascade_node_kernel_name(qv, k, v, cplan) == ("sm90+tails" if runs_tails(cplan, qv) else "sm90")
     out, lse = pb.cascade_decode(qv, k, v, cplan)
     assert_close_state(out, lse, *decode_reference(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), sl.cpu()), q.dtype)
 
