@@ -239,22 +239,26 @@ def swapped_layout(nq):
 
 
 @gluon.constexpr_function
-def _tile_rows(d, nbytes):
-    """Rows of ``d`` values of ``nbytes`` bytes, 16 bytes a thread, over one warpgroup."""
-    return gl.BlockedLayout([1, 16 // nbytes], [32 // (d * nbytes // 16), d * nbytes // 16], [4, 1], [1, 0])
+def _tile_rows(d, nbytes, warps=4):
+    """Rows of ``d`` values of ``nbytes`` bytes, 16 bytes a thread, over ``warps`` warps (one warpgroup)."""
+    return gl.BlockedLayout([1, 16 // nbytes], [32 // (d * nbytes // 16), d * nbytes // 16], [warps, 1], [1, 0])
 
 
 @gluon.jit
-def copy_tile(src, dst, n0, hi, ZERO: gl.constexpr):
-    """A V tile ``src [BLOCK_N, D]`` of keys ``n0 ..`` -> ``dst`` in its dtype (fp8 -> fp16; or in place);
+def copy_tile(src, dst, n0, hi, ZERO: gl.constexpr, CHUNK: gl.constexpr = 0):
+    """A K/V tile ``src [BLOCK_N, D]`` of keys ``n0 ..`` -> ``dst`` in its dtype (fp8 -> 16-bit, exact; or in
+    place), ``CHUNK`` rows at a time (0: all at once; fewer registers for warps that have few);
     ``ZERO``: keys at or past ``hi`` become zeros (the last page's slots past a sequence may hold
     anything, NaN x 0 is NaN)."""
-    layout: gl.constexpr = _tile_rows(src.shape[1], src.dtype.primitive_bitwidth // 8)
-    x = src.load(layout).to(dst.dtype)
-    if ZERO:
-        keys = n0 + gl.arange(0, src.shape[0], layout=gl.SliceLayout(1, layout))
-        x = gl.where(keys[:, None] < hi, x, gl.zeros_like(x))
-    dst.store(x)
+    layout: gl.constexpr = _tile_rows(src.shape[1], src.dtype.primitive_bitwidth // 8, gl.num_warps())
+    N: gl.constexpr = src.shape[0]
+    STEP: gl.constexpr = CHUNK if CHUNK > 0 else N
+    for r in gl.static_range(0, N, STEP):
+        x = src.slice(r, STEP).load(layout).to(dst.dtype)
+        if ZERO:
+            keys = n0 + r + gl.arange(0, STEP, layout=gl.SliceLayout(1, layout))
+            x = gl.where(keys[:, None] < hi, x, gl.zeros_like(x))
+        dst.slice(r, STEP).store(x)
     fence_async_shared()
 
 
@@ -336,9 +340,18 @@ def alloc_ring(k_desc, v_desc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONS
     """The K and V rings of a program (the caches' dtype and tile layouts) and their barriers, a stage
     released once each of ``CONSUMERS_`` warpgroups has read it.
     -> (k_smem, v_smem, k_ready, v_ready, k_empty, v_empty)."""
+    dtype: gl.constexpr = k_desc.dtype
+    layout: gl.constexpr = k_desc.layout
     D: gl.constexpr = k_desc.block_type.shape[1]
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    return alloc_ring_of(dtype, layout, BLOCK_N, D, STAGES, CONSUMERS_)
+
+
+@gluon.jit
+def alloc_ring_of(dtype: gl.constexpr, layout: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr, CONSUMERS_: gl.constexpr):
+    """:func:`alloc_ring` of ``[BLOCK_N, D]`` tiles of ``dtype`` in shared ``layout``."""
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -401,8 +414,10 @@ def hand(slots, k_ready, k_empty, it, fields, STAGES: gl.constexpr):
 
 @gluon.jit
 def hand_end(slots, k_ready, k_empty, it, STAGES: gl.constexpr):
-    """The loader: no more items (fields of zeros: no tiles), published by arriving on ``k_ready`` itself."""
+    """The loader: no more items (fields of zeros: no tiles), published by arriving on ``k_ready`` itself (once
+    every warp of the caller has stored them)."""
     hand(slots, k_ready, k_empty, it, (0, 0, 0, 0, 0, 0, 0, 0), STAGES)
+    gl.thread_barrier()
     mbarrier.arrive(k_ready.index(it % STAGES), count=1)
 
 

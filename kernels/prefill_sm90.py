@@ -19,6 +19,10 @@ compiler does not let a ``tl.dot`` kernel control (FlashAttention-3's structure)
   intra-warpgroup pipelining). The two warpgroups run unsynchronised: a ping-pong schedule making
   them take turns at the tensor cores measured no better (docs/prefill.md).
 
+Over an fp8 cache, two **converter** warps (beside the loader warp, in its warpgroup) turn each fp8 tile the
+loader lands (a ring of its own) into an fp16 tile of the consumers' ring; the GEMMs run on fp16 operands as the
+portable kernel's do. Tiles of 64 keys then: both rings and the queries' buffers fit in 208 KB.
+
 Pages are read as kernels/attend_sm90.py describes; boxes past the request's length load zeros,
 so no block-table entry past it is used. Slots past the length inside its last page may hold
 anything (NaN): scores there are masked, and the consumers zero those rows of the V tile before
@@ -32,13 +36,13 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from paged_backend.kernels.attend import LOG2E
-from paged_backend.kernels.attend_sm90 import (CONSUMERS, FIELDS, ROWS, alloc_ring, attend_tiles, covered,
-                                               descriptors, finish_state, hand, hand_end, handed, io_layout,
-                                               load_q, load_range, load_rows, mma_layout, q_descriptor, sink_scale,
-                                               uniform)
+from paged_backend.kernels.attend_sm90 import (CONSUMERS, FIELDS, ROWS, alloc_ring, alloc_ring_of, attend_tiles,
+                                               copy_tile, covered, descriptors, finish_state, hand, hand_end, handed,
+                                               io_layout, load_q, load_range, load_rows, mma_layout, q_descriptor,
+                                               sink_scale, uniform)
 from paged_backend.kernels.dispatch import num_sms
 from paged_backend.kernels.launch import launch, pow2
 
@@ -119,13 +123,18 @@ def _load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v
 
 
 @gluon.jit
-def _consumer_partition(rows, slots, q_load, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr,
+def _consumer_partition(rows, slots, q_load, scales, WG: gl.constexpr, GROUP: gl.constexpr, D: gl.constexpr,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, SINKS: gl.constexpr,
-                        SOFTCAP: gl.constexpr, Q_TMA: gl.constexpr):
+                        SOFTCAP: gl.constexpr, Q_TMA: gl.constexpr, F8: gl.constexpr):
     """One warpgroup: rows ``WG * ROWS ..`` (``ROWS // GROUP`` tokens x ``GROUP`` heads) of each item the
-    loader hands; the next item's fields are read before this one's rows are stored."""
+    loader hands (``F8``: the converter, from an fp8 cache whose ``scales`` (k, v) fold into the scores' scale
+    and the output); the next item's fields are read before this one's rows are stored."""
     (q_ptr, out_ptr, lse_ptr, sinks_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
      stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, sm_scale, cap, num_tokens) = rows
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+    if F8:
+        qk_scale = qk_scale * gl.load(scales[0])
+        v_scale = gl.load(scales[1])
     TOKS: gl.constexpr = ROWS // GROUP
     TOK: gl.constexpr = CONSUMERS * TOKS
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
@@ -145,21 +154,74 @@ def _consumer_partition(rows, slots, q_load, WG: gl.constexpr, GROUP: gl.constex
             ok_io = (tok_io < q_len) & (row_io >= 0) & (row_io < num_tokens)  # (bad metadata: no row out of bounds)
             load_rows(q_tile, q_ptr, row_io.to(gl.int64), kvh * GROUP + r_io % GROUP, ok_io, stride_qt, stride_qh,
                       D)
+        if F8:
+            q_tile = fp16_queries(q_tile)
         # key position of each row (padding rows act as the tile's last token: never without keys)
         r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         t_last = gl.minimum(t0 + TOK, q_len) - 1
         pos = off + gl.minimum(t0 + WG * TOKS + r_s // GROUP, t_last)
         acc, m_i, l_i = attend_tiles(q_tile, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles, n_full,
-                                     0, seq_len, pos, sm_scale * 1.4426950408889634, cap, D, BLOCK_N, STAGES, CAUSAL,
-                                     True, SOFTCAP, True)
+                                     0, seq_len, pos, qk_scale, cap, D, BLOCK_N, STAGES, CAUSAL, True, SOFTCAP,
+                                     True)
         it += n_tiles
         if Q_TMA:
             mbarrier.arrive(q_empty.index(n % 2), count=1)
             n += 1
         o, lse = finish_state(acc, m_i, l_i)
+        if F8:
+            o = o * v_scale
         nxt = handed(slots, k_ready, it, STAGES)
         _store_rows(rows, kvh, q_begin, q_len, t0, o, lse, WG, GROUP, D, BLOCK_N, SINKS)
         kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full = nxt
+
+
+@gluon.jit
+def fp16_queries(q_tile):
+    """A consumer's queries ``q_tile [ROWS, D]`` as fp16 operands, in place (``attend.mma_operand``: bf16 saturated
+    to fp16's finite range; fp16 ones as they are). -> the fp16 view of the tile."""
+    if q_tile.dtype == gl.float16:
+        return q_tile
+    q = q_tile.load(io_layout()).to(gl.float32)
+    q16 = q_tile._reinterpret(gl.float16, q_tile.shape, q_tile.layout)  # (each thread rewrites what it read)
+    q16.store(gl.minimum(gl.maximum(q, -65504.0), 65504.0).to(gl.float16))
+    fence_async_shared()
+    return q16
+
+
+@gluon.jit
+def _convert_tile(src, dst, t, STAGES: gl.constexpr):
+    """Ring tile ``t`` of an fp8 ring -> the 16-bit ring (``src``, ``dst``: (tiles, ready, empty)), once it has
+    landed and its 16-bit stage is free; published to the consumers, and its fp8 stage released to the loader."""
+    s = t % STAGES
+    phase = (t // STAGES) & 1
+    mbarrier.wait(src[1].index(s), phase)
+    mbarrier.wait(dst[2].index(s), phase ^ 1)
+    copy_tile(src[0].index(s), dst[0].index(s), 0, 0, False, 16)  # 16 rows at a time: 48 registers a thread
+    gl.thread_barrier()  # every warp's stores (and their fence) before the arrival
+    mbarrier.arrive(dst[1].index(s), count=1)
+    mbarrier.arrive(src[2].index(s), count=1)
+
+
+@gluon.jit
+def _convert_partition(k_rings, v_rings, slots8, slots, STAGES: gl.constexpr):
+    """Warps turning an fp8 cache's tiles, as the loader lands them, into the fp16 tiles the consumers' wgmma
+    takes (exact: one instruction for two values), in the order the consumers read them (tile ``j + 1``'s K
+    before tile ``j``'s V); each item's fields go on to the consumers with its first K tile.
+    ``k_rings`` / ``v_rings``: ((fp8 tiles, ready, empty), (16-bit tiles, ready, empty))."""
+    k8, k16 = k_rings
+    v8, v16 = v_rings
+    it = gl.to_tensor(0)
+    kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full = handed(slots8, k8[1], it, STAGES)
+    while n_tiles > 0:
+        hand(slots, k16[1], k16[2], it, (kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full), STAGES)
+        _convert_tile(k8, k16, it, STAGES)
+        for j in range(n_tiles):
+            if j + 1 < n_tiles:
+                _convert_tile(k8, k16, it + j + 1, STAGES)
+            _convert_tile(v8, v16, it + j, STAGES)
+        it += n_tiles
+        kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full = handed(slots8, k8[1], it, STAGES)
+    hand_end(slots, k16[1], k16[2], it, STAGES)
 
 
 @gluon.jit
@@ -194,7 +256,8 @@ def _store_rows(rows, kvh, q_begin, q_len, t0, o, lse, WG: gl.constexpr, GROUP: 
 @gluon.jit
 def _prefill_sm90_kernel(
     q_ptr, q_desc, k_desc, v_desc, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr, sinks_ptr, counter_ptr,
-    sm_scale, cap, num_tokens, batch, n_items, max_tokens, page_rows, head_rows, head_cols, oob_row,
+    k_scale_ptr, v_scale_ptr, sm_scale, cap, num_tokens, batch, n_items, max_tokens, page_rows, head_rows, head_cols,
+    oob_row,
     stride_qt, stride_qh, stride_btb, stride_btn, stride_sl, stride_qsl, stride_ot, stride_oh, stride_lt, stride_lh,
     GROUP: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr,
     STAGES: gl.constexpr, BLOCK_B: gl.constexpr, CAUSAL: gl.constexpr, SINKS: gl.constexpr, SOFTCAP: gl.constexpr,
@@ -216,11 +279,20 @@ def _prefill_sm90_kernel(
     gl.assume(stride_sl >= 0)
     gl.assume(stride_qsl >= 0)
     meta = (qsl_ptr, seq_lens_ptr, stride_qsl, stride_sl, batch, max_tokens)
-    dtype: gl.constexpr = k_desc.dtype
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    F8: gl.constexpr = k_desc.dtype.is_fp8()
     q_bufs: gl.constexpr = 2 if Q_TMA else 1  # the loader fills the next item's Q while the consumers use one
     q_smem = gl.allocate_shared_memory(dtype, [q_bufs * CONSUMERS, ROWS, D],
                                        gl.NVMMASharedLayout.get_default_for([ROWS, D], dtype))
-    k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_ring(k_desc, v_desc, BLOCK_N, STAGES, CONSUMERS)
+    # The consumers' ring: the cache's tiles, or over an fp8 cache the converter's 16-bit copies of those the
+    # loader lands in a ring of its own
+    if F8:  # fp16 operands, as the portable kernel's (attend.mma_operand): fp8 converts to fp16 in one instruction
+        tile16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float16)
+        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_ring_of(gl.float16, tile16, BLOCK_N, D, STAGES,
+                                                                           CONSUMERS)
+        k8, v8, k8_ready, v8_ready, k8_empty, v8_empty = alloc_ring(k_desc, v_desc, BLOCK_N, STAGES, 1)
+    else:
+        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_ring(k_desc, v_desc, BLOCK_N, STAGES, CONSUMERS)
     q_ready = gl.allocate_shared_memory(gl.int64, [q_bufs, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [q_bufs, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(q_bufs):
@@ -230,27 +302,50 @@ def _prefill_sm90_kernel(
     slots = gl.allocate_shared_memory(gl.int32, [STAGES, FIELDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     rows = (q_ptr, out_ptr, lse_ptr, sinks_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, sm_scale, cap, num_tokens)
-    gl.warp_specialize([
-        (_consumer_partition, (rows, slots, q_load, 0, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS, SOFTCAP, Q_TMA)),
-        (_consumer_partition, (rows, slots, q_load, 1, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS, SOFTCAP, Q_TMA)),
-        (_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, slots, bt_ptr, meta,
-                           counter_ptr, stride_btb, stride_btn, n_items, page_rows, head_rows, head_cols, oob_row,
-                           q_load, TOK, BS, BLOCK_N, PAGE_BOX, STAGES, BLOCK_B, CAUSAL, HKV, Q_TMA)),
-    ], [4, 1], [232, 48])
+    scales = (k_scale_ptr, v_scale_ptr)
+    if F8:  # the loader hands its items to the converter, which hands them on (warp_specialize's lists are inline)
+        slots8 = gl.allocate_shared_memory(gl.int32, [STAGES, FIELDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        gl.warp_specialize([
+            (_consumer_partition, (rows, slots, q_load, scales, 0, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS, SOFTCAP,
+                                   Q_TMA, F8)),
+            (_consumer_partition, (rows, slots, q_load, scales, 1, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS, SOFTCAP,
+                                   Q_TMA, F8)),
+            (_load_partition, (k_desc, v_desc, k8, v8, k8_ready, v8_ready, k8_empty, v8_empty, slots8, bt_ptr, meta,
+                               counter_ptr, stride_btb, stride_btn, n_items, page_rows, head_rows, head_cols, oob_row,
+                               q_load, TOK, BS, BLOCK_N, PAGE_BOX, STAGES, BLOCK_B, CAUSAL, HKV, Q_TMA)),
+            (_convert_partition, (((k8, k8_ready, k8_empty), (k_smem, k_ready, k_empty)),
+                                  ((v8, v8_ready, v8_empty), (v_smem, v_ready, v_empty)), slots8, slots, STAGES)),
+        ], [4, 1, 2], [232, 48, 48])
+    else:
+        gl.warp_specialize([
+            (_consumer_partition, (rows, slots, q_load, scales, 0, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS, SOFTCAP,
+                                   Q_TMA, F8)),
+            (_consumer_partition, (rows, slots, q_load, scales, 1, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS, SOFTCAP,
+                                   Q_TMA, F8)),
+            (_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, slots, bt_ptr,
+                               meta, counter_ptr, stride_btb, stride_btn, n_items, page_rows, head_rows, head_cols,
+                               oob_row, q_load, TOK, BS, BLOCK_N, PAGE_BOX, STAGES, BLOCK_B, CAUSAL, HKV, Q_TMA)),
+        ], [4, 1], [232, 48])
 
 
 def sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, softcap: float, window: int,
                 scales) -> dict | None:
     """The Hopper kernel's settings for this call, or None when it does not cover it and the
     portable kernel runs (the caller checked the device: ``dispatch.use_sm90``). Covered: what
-    :func:`attend_sm90.covered` covers, soft-capped or not, without window or fp8 scales."""
-    if window or scales[0] is not None:
+    :func:`attend_sm90.covered` covers (16-bit queries over a cache of their dtype or an fp8 one with its
+    ``scales``), soft-capped or not, without a window.
+
+    Tiles of 128 keys in two stages; over fp8, 64 keys in three: the fp8 ring and the 16-bit one the
+    converter fills take 208 KB with the queries' (128-key tiles: 256 KB, over the 227 KB a program has)."""
+    if window:
         return None
-    view = covered(q, k_cache, v_cache)
+    fp8 = scales[0] is not None
+    view = covered(q, k_cache, v_cache, fp8)
     if view is None:
         return None
-    block_n = 128
-    return dict(block_n=block_n, page_box=min(k_cache.shape[1], block_n), stages=2, view=view, softcap=softcap)
+    block_n, stages = (64, 3) if fp8 else (128, 2)
+    return dict(block_n=block_n, page_box=min(k_cache.shape[1], block_n), stages=stages, view=view, softcap=softcap,
+                scales=scales)
 
 
 def prefill_sm90(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale: float, causal: bool, out, lse,
@@ -271,6 +366,7 @@ def prefill_sm90(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, sc
         _prefill_sm90_kernel, grid,
         q, q_desc, *descriptors(k_cache, v_cache, view, cfg["page_box"], cfg["block_n"]), block_table, seq_lens,
         query_start_loc, out, lse, lse if sinks is None else sinks, torch.zeros(1, dtype=torch.int32, device=q.device),
+        *(lse if x is None else x for x in cfg["scales"]),  # (16-bit caches: not read)
         scale, cfg["softcap"] * LOG2E, t, batch, n_x * hkv, block_table.shape[1] * bs, *view[2:], view[0],
         q.stride(0), q.stride(1), *block_table.stride(), seq_lens.stride(0), query_start_loc.stride(0),
         out.stride(0), out.stride(1), *lse.stride(),

@@ -185,18 +185,21 @@ def _node_call(hq, hkv, d, softcap, tails=True):
     return lambda: cascade_nodes_sm90(q, k, k.clone(), plan, d ** -0.5, cfg, True, tails)
 
 
-def _prefill_call(hq, hkv, d, causal, sinks, q_tma=True):
+def _prefill_call(hq, hkv, d, causal, sinks, q_tma=True, kv_dtype=torch.bfloat16, softcap=0.0):
     """The Hopper paged prefill: two requests of 300 and 77 new tokens over 1000 and 77 keys (``q_tma``
-    False: queries 2 bytes past 16-byte alignment, which the consumers load themselves)."""
+    False: queries 2 bytes past 16-byte alignment, which the consumers load themselves), bf16 queries over a
+    ``kv_dtype`` cache."""
     from paged_backend.kernels.prefill_sm90 import prefill_sm90, sm90_config
     bs, lens, new = 16, [1000, 77], [300, 77]
     t = sum(new)
     q = torch.zeros(t * hq * d + 1, dtype=torch.bfloat16)[int(not q_tma):][:t * hq * d].view(t, hq, d)
-    k = torch.zeros(80, bs, hkv, d, dtype=torch.bfloat16)
+    k = torch.zeros(80, bs, hkv, d, dtype=kv_dtype)
     table = torch.arange(2 * 64, dtype=torch.int32).reshape(2, 64) % 80
     qsl = torch.tensor([0, new[0], t], dtype=torch.int32)
     out, lse = torch.empty(t, hq, d, dtype=torch.bfloat16), torch.empty(t, hq)
-    cfg = sm90_config(q, k, k.clone(), 0.0, 0, (None, None))
+    scales = (torch.ones(1), torch.ones(1)) if kv_dtype.itemsize == 1 else (None, None)
+    cfg = sm90_config(q, k, k.clone(), softcap, 0, scales)
+    assert cfg is not None, "not a call the Hopper prefill takes"
     s = torch.zeros(hq) if sinks else None
     return lambda: prefill_sm90(q, k, k.clone(), table, torch.tensor(lens, dtype=torch.int32), qsl, d ** -0.5,
                                 causal, out, lse, cfg, sinks=s)
@@ -241,6 +244,11 @@ SM90_CASES = {
     "prefill d128 g4 causal": lambda: _prefill_call(32, 8, 128, True, False),
     "prefill d64 g1 sinks": lambda: _prefill_call(8, 8, 64, False, True),
     "prefill d128 g4 causal, queries without TMA": lambda: _prefill_call(32, 8, 128, True, False, False),
+    "prefill d128 g4 causal e4m3": lambda: _prefill_call(32, 8, 128, True, False, kv_dtype=torch.float8_e4m3fn),
+    "prefill d64 g8 e5m2 softcap sinks": lambda: _prefill_call(32, 4, 64, False, True, kv_dtype=torch.float8_e5m2,
+                                                              softcap=30.0),
+    "prefill d128 g1 causal e4m3, queries without TMA": lambda: _prefill_call(8, 8, 128, True, False, False,
+                                                                             torch.float8_e4m3fn),
 }
 
 

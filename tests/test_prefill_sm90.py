@@ -142,6 +142,67 @@ def test_queries_without_a_tma_view():
     assert torch.equal(out, tma_o) and torch.equal(lse, tma_lse)
 
 
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def fp8_inputs(inputs, kv_dtype, k_scale=0.05, v_scale=0.02):
+    """``inputs`` with their caches quantized to ``kv_dtype`` (per-tensor scales, the caches' strides kept)
+    -> (inputs, the scales as keywords, the dequantized caches in fp32 that the reference reads)."""
+    q, k, v, *meta = inputs
+    k8, v8 = (torch.empty_strided(c.shape, c.stride(), dtype=kv_dtype, device=c.device) for c in (k, v))
+    k8.copy_((k.float() / k_scale).to(kv_dtype))
+    v8.copy_((v.float() / v_scale).to(kv_dtype))
+    return (q, k8, v8, *meta), dict(k_scale=k_scale, v_scale=v_scale), (k8.float() * k_scale, v8.float() * v_scale)
+
+
+def run_sm90_fp8(inputs, scales, causal=True, softcap=None, sinks=None):
+    q, k, v, bt, sl, qsl = inputs
+    pair = (torch.tensor([scales["k_scale"]]), torch.tensor([scales["v_scale"]]))
+    assert prefill_kernel_name(q, k, v, softcap=softcap or 0.0, scales=pair) == "sm90"
+    return pb.paged_prefill(q, k, v, bt, sl, qsl, causal=causal, softcap=softcap, sinks=sinks, return_lse=True,
+                            **scales)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kv_dtype, dtype", [(FP8[0], BF16), (FP8[1], F16)], ids=["e4m3-bf16", "e5m2-fp16"])
+@pytest.mark.parametrize("case", ["one prompt", "chunks mid-page, decodes, empty", "d64 mha bs32", "group 8 pages 256",
+                                  "group 64"])
+def test_fp8_cache_against_fp64(case, kv_dtype, dtype, causal):
+    """fp8 caches: the converter's fp16 tiles (fp8 -> fp16 is exact), bf16 queries saturated to fp16 (as the
+    portable kernel takes them), the scales folded in - against the fp64 reference on the dequantized cache;
+    the vLLM layout's strided caches too."""
+    q_lens, seq_lens, hq, hkv, d, bs = CASES[case]
+    layout = "vllm" if case == "one prompt" else "nhd"
+    inputs = make_prefill_inputs(q_lens, seq_lens, hq, hkv, d, bs, dtype, device="cuda", layout=layout)
+    inputs8, scales, (k_deq, v_deq) = fp8_inputs(inputs, kv_dtype)
+    out, lse = run_sm90_fp8(inputs8, scales, causal)
+    q, _, _, bt, sl, qsl = inputs
+    assert_close_state(out, lse, *device_reference(q, k_deq, v_deq, bt, sl, qsl, causal=causal), dtype)
+
+
+def test_fp8_cache_poisoned_slots_softcap_sinks_and_bits():
+    """An fp8 cache whose slots past each length hold NaN (e4m3 has no infinities), soft-capped, with sinks:
+    masked / zeroed as over 16-bit caches; two calls give the same bits; queries TMA cannot read give the same
+    bits too."""
+    inputs = make_prefill_inputs([300, 40, 1], [317, 40, 1000], 32, 8, 128, 16, BF16, device="cuda", extra_cols=4)
+    (q, k, v, bt, sl, qsl), scales, (k_deq, v_deq) = fp8_inputs(inputs, torch.float8_e4m3fn)
+    bt = pad_table(bt, sl, 16, pad_block=k.shape[0] - 1)
+    poison_outside(k, v, bt, sl, float("nan"))
+    sinks = torch.randn(32, device="cuda") * 3
+    out, lse = run_sm90_fp8((q, k, v, bt, sl, qsl), scales, softcap=30.0, sinks=sinks)
+    ref_o, ref_lse = prefill_reference(q.cpu(), k_deq.cpu(), v_deq.cpu(), bt.cpu(), sl.cpu(), qsl.cpu(), causal=True,
+                                       softcap=30.0)
+    total = torch.logaddexp(ref_lse, sinks.double().cpu()[None, :])
+    assert_close_state(out, lse, ref_o * torch.exp(ref_lse - total)[..., None], total, BF16)
+    again = run_sm90_fp8((q, k, v, bt, sl, qsl), scales, softcap=30.0, sinks=sinks)
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+    flat = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    shifted = flat[1:].view(q.shape)
+    shifted.copy_(q)
+    got = run_sm90_fp8((shifted, k, v, bt, sl, qsl), scales, softcap=30.0, sinks=sinks)
+    assert torch.equal(out, got[0]) and torch.equal(lse, got[1])
+
+
 def _column(t, width=3, col=1):
     """``t`` as column ``col`` of a wider buffer (its last dim ``width`` elements apart, -7 between):
     how engines pass metadata (a slice of a persistent batch buffer)."""
@@ -183,6 +244,9 @@ def test_strided_metadata_gives_the_same_bits(case, causal):
 def test_uncovered_calls_fall_back():
     q, k, v, bt, sl, qsl = make_prefill_inputs([64], [64], 32, 8, 128, 16, BF16, device="cuda")
     assert prefill_kernel_name(q, k, v, window=16) == "portable"
+    (_, k8, v8, *_), _, _ = fp8_inputs((q, k, v), torch.float8_e4m3fn)
+    scales = (torch.ones(1), torch.ones(1))
+    assert prefill_kernel_name(q, k8, v8, window=16, scales=scales) == "portable"
     assert prefill_kernel_name(q, k.float(), v.float()) == "portable"  # q and cache dtypes differ
     q8, k8, v8, *_ = make_prefill_inputs([64], [64], 32, 8, 128, 8, BF16, device="cuda")
     assert prefill_kernel_name(q8, k8, v8) == "portable"  # pages of 8
