@@ -16,6 +16,7 @@ bottom-right aligned already. Outputs of every peer are compared with ours (rel.
 with an fp64 reference on a sample of rows.
 
     python3 benchmarks/bench_prefill.py             # GPU: table + benchmarks/results/<gpu>.json/.md
+    python3 benchmarks/bench_prefill.py --kv-dtype fp8   # the caches in e4m3 (scales 1/16): its own section
     python3 benchmarks/bench_prefill.py --sweep     # also time other tile configs of our kernel
     TRITON_INTERPRET=1 python3 benchmarks/bench_prefill.py --quick   # CPU smoke run, tiny shapes
 """
@@ -58,7 +59,11 @@ def causal_key_count(q_lens, seq_lens) -> int:
     return sum(q * (n - q) + q * (q + 1) // 2 for q, n in zip(q_lens, seq_lens))
 
 
-def make_inputs(q_lens, seq_lens, hq, hkv, d, bs, dtype, device, seed=0):
+FP8_SCALE = 1.0 / 16  # k_scale = v_scale of --kv-dtype fp8 (the values are N(0, 1): e4m3's range is +-448)
+
+
+def make_inputs(q_lens, seq_lens, hq, hkv, d, bs, dtype, device, seed=0, fp8=False):
+    """``fp8``: the caches quantized to e4m3 with scales ``FP8_SCALE`` (``inp["scales"]``), else ``None``."""
     gen = torch.Generator().manual_seed(seed)
     need = [-(-n // bs) for n in seq_lens]
     nb = sum(need) + 1
@@ -72,18 +77,26 @@ def make_inputs(q_lens, seq_lens, hq, hkv, d, bs, dtype, device, seed=0):
     k = torch.randn(nb, bs, hkv, d, device=device).to(dtype)
     v = torch.randn(nb, bs, hkv, d, device=device).to(dtype)
     q = torch.randn(sum(q_lens), hq, d, device=device).to(dtype)
+    scales = None
+    if fp8:
+        k, v = ((c.float() / FP8_SCALE).to(torch.float8_e4m3fn) for c in (k, v))
+        scales = tuple(torch.tensor([FP8_SCALE], device=device) for _ in range(2))
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
     return dict(q=q, k=k, v=v, bt=table.to(device), sl=sl.to(device), qsl=qsl.to(device), qsl_cpu=qsl, sl_cpu=sl,
-                q_lens=list(q_lens), seq_lens=list(seq_lens))
+                q_lens=list(q_lens), seq_lens=list(seq_lens), scales=scales)
 
 
 def dense_kv(inp, b):
-    """Dense contiguous ``[n, Hkv, D]`` K and V of request ``b`` (gathered from the pages)."""
+    """Dense contiguous ``[n, Hkv, D]`` K and V of request ``b`` (gathered from the pages; an fp8 cache's
+    dequantized into q's dtype)."""
     n, bs = inp["seq_lens"][b], inp["k"].shape[1]
     pos = torch.arange(n, device=inp["k"].device)
     pages = inp["bt"][b].long()[pos // bs]
-    return inp["k"][pages, pos % bs].contiguous(), inp["v"][pages, pos % bs].contiguous()
+    k, v = inp["k"][pages, pos % bs], inp["v"][pages, pos % bs]
+    if inp["scales"] is not None:
+        k, v = ((c.float() * FP8_SCALE).to(inp["q"].dtype) for c in (k, v))
+    return k.contiguous(), v.contiguous()
 
 
 def sample_reference(inp, rows: int = 48):
@@ -111,8 +124,11 @@ def sample_reference(inp, rows: int = 48):
 # ----------------------------------------------------------------------------- implementations
 def ours_impl(inp, cfg=None):
     args = (inp["q"], inp["k"], inp["v"], inp["bt"], inp["sl"], inp["qsl"])
+    scales = inp["scales"]
     if cfg is None:
         kw = dict(query_start_loc_cpu=inp["qsl_cpu"], seq_lens_cpu=inp["sl_cpu"])
+        if scales is not None:
+            kw.update(k_scale=scales[0], v_scale=scales[1])
         return lambda: pb.paged_prefill(*args, **kw)
     q = inp["q"]
     out = torch.empty_like(q)
@@ -121,7 +137,7 @@ def ours_impl(inp, cfg=None):
 
     def fn():
         prefill_triton(*args, q.shape[-1] ** -0.5, True, out, lse, block_m=bm, block_n=bn, num_warps=nw,
-                       num_stages=ns)
+                       num_stages=ns, scales=scales or (None, None))
         return out, lse
     return fn
 
@@ -193,8 +209,10 @@ def flashinfer_impl(inp, backend: str):
     w.plan(inp["qsl"], kv_indptr.to(dev), indices.to(dev), last.to(dev), q.shape[1], hkv, d, bs,
            causal=True, q_data_type=q.dtype, kv_data_type=k.dtype)
 
+    scale = {} if inp["scales"] is None else dict(k_scale=FP8_SCALE, v_scale=FP8_SCALE)
+
     def fn():
-        o, lse2 = w.run(q, (k, v), return_lse=True)
+        o, lse2 = w.run(q, (k, v), return_lse=True, **scale)
         return o, lse2 * LN2  # FlashInfer's LSE is base 2
     return fn, f"backend={backend}"
 
@@ -202,7 +220,7 @@ def flashinfer_impl(inp, backend: str):
 # ----------------------------------------------------------------------------- driver
 def run_case(name, q_lens, seq_lens, args, dtype, device):
     hq, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.page
-    inp = make_inputs(q_lens, seq_lens, hq, hkv, d, bs, dtype, device)
+    inp = make_inputs(q_lens, seq_lens, hq, hkv, d, bs, dtype, device, fp8=args.kv_dtype == "fp8")
     flops = 4 * d * hq * causal_key_count(q_lens, seq_lens)
     row = dict(case=name, q_lens=q_lens, seq_lens=seq_lens, flops=flops, impls={})
     print(f"\n== {name}: T={sum(q_lens)} keys={sum(seq_lens)} GFLOP={flops / 1e9:.1f}", flush=True)
@@ -229,7 +247,7 @@ def run_case(name, q_lens, seq_lens, args, dtype, device):
 
     cfg = prefill_config(dtype, d, hq // hkv, torch.device(device))
     portable = "bm{block_m} bn{block_n} w{num_warps} s{num_stages}".format(**cfg)
-    path = prefill_kernel_name(inp["q"], inp["k"], inp["v"])
+    path = prefill_kernel_name(inp["q"], inp["k"], inp["v"], scales=inp["scales"] or (None, None))
     row["path"] = path
     res = record("ours", ours_impl(inp), note=f"{path} kernel" + ("" if path == "sm90" else f", {portable}"))
     ours_out = None
@@ -282,6 +300,8 @@ def main():
     ap.add_argument("--warmup-ms", type=int, default=100)
     ap.add_argument("--rep-ms", type=int, default=500)
     ap.add_argument("--save", action="store_true", help="write results files even with --quick")
+    ap.add_argument("--kv-dtype", choices=["fp8"], help="e4m3 caches (scales 1/16): SDPA on them dequantized, "
+                    "results in a section of their own")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # The interpreter cannot do bf16 arithmetic, and the CPU torch path is slow in bf16: fp32 on CPU.
@@ -317,11 +337,16 @@ def main():
     payload = dict(when=now(), gpu=gpu_name(device), versions=versions(), dtype=str(dtype),
                    heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, page=args.page,
                    flops_rule="4*D*Hq*sum_q keys attended (bottom-right causal)", cases=rows)
-    write_json(os.path.join(res_dir, f"{slug}.json"), "prefill", payload)
-    text = (f"## Paged prefill ({gpu_name(device)}, {now()})\n\n{str(dtype).replace('torch.', '')}, Hq "
+    key, title, cache = "prefill", "Paged prefill", ""
+    if args.kv_dtype:  # (SDPA runs on the cache dequantized beforehand, untimed)
+        key, title = "prefill:fp8", "Paged prefill over an fp8 (e4m3) cache"
+        cache = f" queries over an e4m3 cache (scales {FP8_SCALE}; SDPA on it dequantized beforehand)"
+        payload.update(kv_dtype="float8_e4m3fn", kv_scale=FP8_SCALE)
+    write_json(os.path.join(res_dir, f"{slug}.json"), key, payload)
+    text = (f"## {title} ({gpu_name(device)}, {now()})\n\n{str(dtype).replace('torch.', '')}{cache}, Hq "
             f"{args.heads}, Hkv {args.kv_heads}, D {args.head_dim}, page {args.page} shuffled. TFLOP/s on "
             f"4*D*Hq*sum(keys attended).\n\n{md}\n")
-    write_md_section(os.path.join(res_dir, f"{slug}.md"), "prefill", text)
+    write_md_section(os.path.join(res_dir, f"{slug}.md"), key, text)
     print(f"\nwrote {res_dir}/{slug}.json and {slug}.md")
 
 
