@@ -263,6 +263,55 @@ def copy_tile(src, dst, n0, hi, ZERO: gl.constexpr, CHUNK: gl.constexpr = 0):
 
 
 @gluon.jit
+def fp16_operand(x):
+    """Queries as the fp16 operands of GEMMs over an fp8 cache (``attend.mma_operand``): saturated to fp16's
+    finite range (bf16 has more; fp16 holds bf16's 8 mantissa bits)."""
+    return gl.minimum(gl.maximum(x.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
+
+
+@gluon.jit
+def fp16_tile(q_tile):
+    """A consumer's queries ``q_tile [ROWS, D]`` as fp16 operands, in place (:func:`fp16_operand`; fp16 ones as
+    they are). -> the fp16 view of the tile."""
+    if q_tile.dtype == gl.float16:
+        return q_tile
+    q = q_tile.load(io_layout())
+    q16 = q_tile._reinterpret(gl.float16, q_tile.shape, q_tile.layout)  # (each thread rewrites what it read)
+    q16.store(fp16_operand(q))
+    fence_async_shared()
+    return q16
+
+
+@gluon.jit
+def convert_tile(src, dst, t, STAGES: gl.constexpr):
+    """Ring tile ``t`` of an fp8 ring -> the 16-bit ring (``src``, ``dst``: (tiles, ready, empty)), once it has
+    landed and its 16-bit stage is free; published to the consumers, and its fp8 stage released to the loader."""
+    s = t % STAGES
+    phase = (t // STAGES) & 1
+    mbarrier.wait(src[1].index(s), phase)
+    mbarrier.wait(dst[2].index(s), phase ^ 1)
+    copy_tile(src[0].index(s), dst[0].index(s), 0, 0, False, 16)  # 16 rows at a time: 48 registers a thread
+    gl.thread_barrier()  # every warp's stores (and their fence) before the arrival
+    mbarrier.arrive(dst[1].index(s), count=1)
+    mbarrier.arrive(src[2].index(s), count=1)
+
+
+@gluon.jit
+def convert_range(k_rings, v_rings, it, n_tiles, STAGES: gl.constexpr):
+    """A converter's part of one work item (warps beside the loader, for consumers whose wgmma takes no fp8
+    operand with 16-bit queries): ``n_tiles >= 1`` K and V tiles from ring tile ``it``, fp8 -> fp16 (exact: one
+    instruction for two values), in the order :func:`attend_tiles` reads them (tile ``j + 1``'s K before tile
+    ``j``'s V). ``k_rings`` / ``v_rings``: ((fp8 tiles, ready, empty), (fp16 tiles, ready, empty)).
+    -> the next ring index."""
+    convert_tile(k_rings[0], k_rings[1], it, STAGES)
+    for j in range(n_tiles):
+        if j + 1 < n_tiles:
+            convert_tile(k_rings[0], k_rings[1], it + j + 1, STAGES)
+        convert_tile(v_rings[0], v_rings[1], it + j, STAGES)
+    return it + n_tiles
+
+
+@gluon.jit
 def attend_swapped(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles, n_full, n0,
                    hi, qk_scale, cap, D: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    SOFTCAP: gl.constexpr):
@@ -468,11 +517,15 @@ def finish_state(acc, m_i, l_i):
 
 @gluon.jit
 def load_rows(q_tile, q_ptr, q_row, qh, ok, stride_qt, stride_qh, D: gl.constexpr):
-    """Query rows ``q_row [ROWS]`` (int64), heads ``qh [ROWS]`` -> ``q_tile`` (wgmma's A operand);
-    rows not ``ok`` are zeros. The index vectors are in :func:`io_layout`'s row slice."""
+    """Query rows ``q_row [ROWS]`` (int64), heads ``qh [ROWS]`` -> ``q_tile`` (wgmma's A operand; an fp16 tile takes
+    bf16 queries as :func:`fp16_operand`); rows not ``ok`` are zeros. The index vectors are in
+    :func:`io_layout`'s row slice."""
     d = gl.arange(0, D, layout=gl.SliceLayout(0, io_layout()))
     q = gl.load(q_ptr + q_row[:, None] * stride_qt + qh[:, None] * stride_qh + d[None, :], mask=ok[:, None], other=0.0)
-    q_tile.store(q)
+    if q_tile.dtype == q.dtype:
+        q_tile.store(q)
+    else:  # an fp16 tile of 16-bit queries over an fp8 cache
+        q_tile.store(fp16_operand(q))
     fence_async_shared()
 
 

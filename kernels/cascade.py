@@ -152,7 +152,7 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
             return
 
     sm90 = node_sm90_config(q, k_cache, v_cache, plan, softcap, scales) if run_nodes else None
-    fused = sm90 is not None and runs_tails(plan, q)  # the Hopper node kernel runs the tails too
+    fused = sm90 is not None and runs_tails(plan, q, sm90["fp8"])  # the Hopper node kernel runs the tails too
 
     def nodes():
         if sm90 is not None:  # Hopper: kernels/cascade_sm90.py
@@ -277,12 +277,13 @@ def cascade_torch(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: fl
     lse.copy_(run_lse)
 
 
-def runs_tails(plan, q: torch.Tensor) -> bool:
+def runs_tails(plan, q: torch.Tensor, fp8: bool = False) -> bool:
     """Whether the Hopper node kernel runs the plan's tails too, where it runs the plan's node pieces: plans
     with fused lists (``fused_prog_ptr``) of groups up to ``SM90_TAIL_GROUP``, queries that TMA reads (the
-    tails take them so); else the decode kernel does."""
+    tails take them so), 16-bit caches (over ``fp8`` ones the node pieces take converter warps, and no
+    registers are left for the tails' consumer); else the decode kernel does."""
     return "fused_prog_ptr" in plan.views and plan.num_q_heads // plan.num_kv_heads <= SM90_TAIL_GROUP \
-        and q_tma(q)
+        and q_tma(q) and not fp8
 
 
 def node_sm90_config(q, k_cache, v_cache, plan, softcap: float, scales):

@@ -20,6 +20,9 @@ during the node GEMMs of 4096/256/128); side by side, H200 2026-11-30 (bench_cas
 44.6 -> 39.6 us, 4096/256/128 81.6 -> 68.9, 32768/256/256 331.4 -> 287.1
 (``benchmarks/results/sweeps/cascade_tails_beside_h200.log``).
 
+Over an fp8 cache, the node pieces only (the decode kernel runs the tails): converter warps beside the loader
+turn its fp8 tiles into fp16 ones for the consumers (``attend_sm90.convert_range``), as in the Hopper prefill.
+
 As the portable node kernel, it lets the next kernel launch at once (PDL), and the plan replays it on
 later calls through a ``DescriptorRelaunch`` (kernels/launch.py): Gluon's launch path with its
 descriptors costs far more host time than the kernel takes on short nodes.
@@ -35,9 +38,9 @@ from triton.experimental.gluon import language as gl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from paged_backend.kernels.attend import LOG2E
-from paged_backend.kernels.attend_sm90 import (ROWS, alloc_ring, alloc_rings, attend_tiles, covered, descriptors,
-                                               finish_state, io_layout, load_range, load_rows, mma_layout,
-                                               q_descriptor, release_tiles)
+from paged_backend.kernels.attend_sm90 import (ROWS, alloc_ring, alloc_ring_of, alloc_rings, attend_tiles,
+                                               convert_range, covered, descriptors, finish_state, io_layout,
+                                               load_range, load_rows, mma_layout, q_descriptor, release_tiles)
 from paged_backend.kernels.decode_sm90 import alloc_hand, consumer as tail_consumer, loader as tail_loader
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
 
@@ -77,7 +80,8 @@ def _node_load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_emp
 
 @gluon.jit
 def _node_consumer_partition(rows, pieces, WG: gl.constexpr, GROUP: gl.constexpr, GP: gl.constexpr, D: gl.constexpr,
-                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr):
+                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SOFTCAP: gl.constexpr,
+                             scales=None, F8: gl.constexpr = False):
     """One warpgroup: rows ``WG * ROWS ..`` of each node piece (members x ``GP`` heads) -> partial slots;
     a piece without such rows only has its tiles released. (Node ranges end on a page, so no tile needs
     its V rows zeroed: boxes past a range's end load zeros.)
@@ -92,6 +96,10 @@ def _node_consumer_partition(rows, pieces, WG: gl.constexpr, GROUP: gl.constexpr
     (q_ptr, members_ptr, po_ptr, plse_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
      v_empty, stride_qb, stride_qh, stride_pop, stride_poh, stride_plp, stride_plh, sm_scale, cap) = rows
     work_ptr, prog_ptr = pieces
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+    if F8:  # the converter's fp16 tiles of an fp8 cache: k's scale folds into the scores' scale, v's into the states
+        qk_scale = qk_scale * gl.load(scales[0])
+        v_scale = gl.load(scales[1])
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(D)
     loc_io = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout()))
@@ -99,7 +107,6 @@ def _node_consumer_partition(rows, pieces, WG: gl.constexpr, GROUP: gl.constexpr
     loc_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     d_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     q_tile = q_smem.index(WG)
-    qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
     head = loc_io % GP  # query head of each row (GP divides ROWS)
     m0: gl.constexpr = WG * ROWS // GP  # the consumer's first member in a piece's row block
     g = gl.program_id(0)
@@ -117,6 +124,8 @@ def _node_consumer_partition(rows, pieces, WG: gl.constexpr, GROUP: gl.constexpr
                                          (end - start) // BLOCK_N, start, end, loc_s, qk_scale, cap, D, BLOCK_N,
                                          STAGES, False, False, SOFTCAP, False)
             o, lse = finish_state(acc, m_i, l_i)  # [ROWS, D] in the accumulator's layout, [ROWS] in the scores'
+            if F8:
+                o = o * v_scale
             mem_o = m0 + loc_o // GP
             ok_o = (mem_o < n_in) & (loc_o % GP < GROUP)
             gl.store(po_ptr + (slot_base + mem_o).to(gl.int64)[:, None] * stride_pop +
@@ -131,15 +140,29 @@ def _node_consumer_partition(rows, pieces, WG: gl.constexpr, GROUP: gl.constexpr
 
 
 @gluon.jit
+def _node_convert_partition(k_rings, v_rings, pieces, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Warps turning an fp8 cache's node tiles into the consumers' fp16 tiles (:func:`attend_sm90.convert_range`),
+    piece by piece as the loader walks them."""
+    work_ptr, prog_ptr = pieces
+    g = gl.program_id(0)
+    it = gl.to_tensor(0)
+    for p in range(gl.load(prog_ptr + g), gl.load(prog_ptr + g + 1)):
+        _, _, _, _, start, end, _ = _piece(work_ptr, p)
+        it = convert_range(k_rings, v_rings, it, gl.maximum(gl.cdiv(end - start, BLOCK_N), 1), STAGES)
+
+
+@gluon.jit
 def _cascade_node_sm90_kernel(
     q_ptr, k_desc, v_desc, t_q, bt_ptr, members_ptr, work_ptr, prog_ptr, leaf_ptr, tail_prog_ptr, seq_lens_ptr,
-    po_ptr, plse_ptr, sm_scale, cap, max_tokens, page_rows, head_rows, head_cols, oob_row,
+    po_ptr, plse_ptr, k_scale_ptr, v_scale_ptr, sm_scale, cap, max_tokens, page_rows, head_rows, head_cols, oob_row,
     stride_qb, stride_qh, stride_btb, stride_btn, stride_sl, stride_pop, stride_poh, stride_plp, stride_plh,
     GROUP: gl.constexpr, GP: gl.constexpr, NQ: gl.constexpr, BS: gl.constexpr, D: gl.constexpr,
     BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr, STAGES: gl.constexpr, TAIL_STAGES: gl.constexpr,
     PDL: gl.constexpr, TAILS: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
-    """``t_q``: the queries again, as the tails read them: a TMA descriptor (``TAILS``; else not read)."""
+    """``t_q``: the queries again, as the tails read them: a TMA descriptor (``TAILS``; else not read). Over an
+    fp8 cache (never with ``TAILS``: no registers are left for a converter beside the tails' consumer), the loader
+    lands the tiles in a ring of their own and converter warps make the consumers' fp16 tiles."""
     if PDL:  # the tails or the merge may launch now: they wait for this grid where they must
         gdc_launch_dependents()
     # Row strides are >= 0 (torch's): their 64-bit products need no sign words, which the compiler would otherwise
@@ -149,7 +172,16 @@ def _cascade_node_sm90_kernel(
     gl.assume(stride_sl >= 0)
     gl.assume(stride_pop >= 0)
     gl.assume(stride_plp >= 0)
-    q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_rings(k_desc, v_desc, D, BLOCK_N, STAGES)
+    F8: gl.constexpr = k_desc.dtype.is_fp8()
+    gl.static_assert(not (F8 and TAILS), "fp8 caches: the node pieces only")
+    if F8:  # fp16 operands, as the portable kernel's (attend.mma_operand)
+        q_smem = gl.allocate_shared_memory(gl.float16, [2, ROWS, D],
+                                           gl.NVMMASharedLayout.get_default_for([ROWS, D], gl.float16))
+        tile16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float16)
+        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_ring_of(gl.float16, tile16, BLOCK_N, D, STAGES, 2)
+        k8, v8, k8_ready, v8_ready, k8_empty, v8_empty = alloc_ring(k_desc, v_desc, BLOCK_N, STAGES, 1)
+    else:
+        q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_rings(k_desc, v_desc, D, BLOCK_N, STAGES)
     rows = (q_ptr, members_ptr, po_ptr, plse_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
             v_empty, stride_qb, stride_qh, stride_pop, stride_poh, stride_plp, stride_plh, sm_scale, cap)
     pieces = (work_ptr, prog_ptr)
@@ -173,6 +205,18 @@ def _cascade_node_sm90_kernel(
             (tail_loader, (k_desc, v_desc, t_q, bt_ptr, t_pieces, t_smem, stride_btb, stride_btn, page_rows,
                            head_rows, head_cols, oob_row, GROUP, BS, BLOCK_N, PAGE_BOX, TAIL_STAGES)),
         ], [4, 4, 1, 1], TAIL_REGS)
+    elif F8:
+        scales = (k_scale_ptr, v_scale_ptr)
+        gl.warp_specialize([
+            (_node_consumer_partition, (rows, pieces, 0, GROUP, GP, D, BLOCK_N, STAGES, SOFTCAP, scales, F8)),
+            (_node_consumer_partition, (rows, pieces, 1, GROUP, GP, D, BLOCK_N, STAGES, SOFTCAP, scales, F8)),
+            (_node_load_partition, (k_desc, v_desc, k8, v8, k8_ready, v8_ready, k8_empty, v8_empty, pieces,
+                                    bt_ptr, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
+                                    BS, BLOCK_N, PAGE_BOX, STAGES)),
+            (_node_convert_partition, (((k8, k8_ready, k8_empty), (k_smem, k_ready, k_empty)),
+                                       ((v8, v8_ready, v8_empty), (v_smem, v_ready, v_empty)), pieces, BLOCK_N,
+                                       STAGES)),
+        ], [4, 1, 2], [232, 48, 48])
     else:
         gl.warp_specialize([
             (_node_consumer_partition, (rows, pieces, 0, GROUP, GP, D, BLOCK_N, STAGES, SOFTCAP)),
@@ -187,20 +231,23 @@ def node_sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scales) -> dict | None:
     """The Hopper node kernel's settings for a plan's node pieces, or None (the portable node kernel
     runs; the caller checked the device): what ``attend_sm90.covered`` covers, a plan tile of 128
-    rows and node ranges cut at multiples of 64 keys, no window or fp8 scales (soft-capped or not). (Its node
-    pieces read the queries by pointer; its tails only by TMA: ``kernels/cascade.py runs_tails``.)
+    rows and node ranges cut at multiples of 64 keys, no window (soft-capped or not; over an fp8 cache with its
+    ``scales``, the node pieces only: ``fp8``). (Its node pieces read the queries by pointer; its tails only by
+    TMA: ``kernels/cascade.py runs_tails``.)
 
     Tiles of 64 keys in three stages, where the prefill kernel takes 128 x 2: node pieces are short
     (a few dozen tiles) and tail pieces shorter, and finer stages keep more of them in flight (H100,
     2026-11-26: 8192/64/256 72.1 -> 66.0 us, 4096/256/128 120.2 -> 115.8 us; four stages of 64 and
     the prefill with 64-key tiles were slower; ``results/sweeps/cascade_fused_sm90_h100.log``)."""
-    if scales[0] is not None or plan.window or plan.block_m != NODE_BLOCK_M or plan.node_block_n % 64:
+    if plan.window or plan.block_m != NODE_BLOCK_M or plan.node_block_n % 64:
         return None
-    view = covered(q, k_cache, v_cache)
+    fp8 = scales[0] is not None
+    view = covered(q, k_cache, v_cache, fp8)
     if view is None:
         return None
     block_n, stages = NODE_TILE
-    return dict(block_n=block_n, page_box=min(k_cache.shape[1], 64), stages=stages, view=view, softcap=softcap)
+    return dict(block_n=block_n, page_box=min(k_cache.shape[1], 64), stages=stages, view=view, softcap=softcap,
+                scales=scales, fp8=fp8)
 
 
 def cascade_nodes_sm90(q, k_cache, v_cache, plan, scale: float, cfg: dict, pdl: bool, tails: bool):
@@ -217,7 +264,8 @@ def cascade_nodes_sm90(q, k_cache, v_cache, plan, scale: float, cfg: dict, pdl: 
     args = (q, *descriptors(k_cache, v_cache, view, cfg["page_box"], cfg["block_n"]),
             q_descriptor(q, (1, nq, d)) if tails else q, bt, v["members"],
             v["node_work"], v["node_prog_ptr"], v["leaf_work"], v["fused_prog_ptr" if tails else "node_prog_ptr"],
-            sl, po, plse, scale, cfg["softcap"] * LOG2E, bt.shape[1] * bs, *view[2:], view[0],
+            sl, po, plse, *(plse if x is None else x for x in cfg["scales"]),  # (16-bit caches: not read)
+            scale, cfg["softcap"] * LOG2E, bt.shape[1] * bs, *view[2:], view[0],
             q.stride(0), q.stride(1), *bt.stride(), sl.stride(0), po.stride(0), po.stride(1), *plse.stride())
     kw = dict(GROUP=group, GP=1 << max(0, (group - 1).bit_length()), NQ=nq, BS=bs, D=d,
               BLOCK_N=cfg["block_n"], PAGE_BOX=cfg["page_box"], STAGES=cfg["stages"], TAIL_STAGES=TAIL_STAGES,

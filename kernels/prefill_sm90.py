@@ -36,13 +36,13 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from paged_backend.kernels.attend import LOG2E
 from paged_backend.kernels.attend_sm90 import (CONSUMERS, FIELDS, ROWS, alloc_ring, alloc_ring_of, attend_tiles,
-                                               copy_tile, covered, descriptors, finish_state, hand, hand_end, handed,
-                                               io_layout, load_q, load_range, load_rows, mma_layout, q_descriptor,
-                                               sink_scale, uniform)
+                                               convert_range, covered, descriptors, finish_state, fp16_tile, hand,
+                                               hand_end, handed, io_layout, load_q, load_range, load_rows, mma_layout,
+                                               q_descriptor, sink_scale, uniform)
 from paged_backend.kernels.dispatch import num_sms
 from paged_backend.kernels.launch import launch, pow2
 
@@ -155,7 +155,7 @@ def _consumer_partition(rows, slots, q_load, scales, WG: gl.constexpr, GROUP: gl
             load_rows(q_tile, q_ptr, row_io.to(gl.int64), kvh * GROUP + r_io % GROUP, ok_io, stride_qt, stride_qh,
                       D)
         if F8:
-            q_tile = fp16_queries(q_tile)
+            q_tile = fp16_tile(q_tile)
         # key position of each row (padding rows act as the tile's last token: never without keys)
         r_s = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         t_last = gl.minimum(t0 + TOK, q_len) - 1
@@ -176,52 +176,18 @@ def _consumer_partition(rows, slots, q_load, scales, WG: gl.constexpr, GROUP: gl
 
 
 @gluon.jit
-def fp16_queries(q_tile):
-    """A consumer's queries ``q_tile [ROWS, D]`` as fp16 operands, in place (``attend.mma_operand``: bf16 saturated
-    to fp16's finite range; fp16 ones as they are). -> the fp16 view of the tile."""
-    if q_tile.dtype == gl.float16:
-        return q_tile
-    q = q_tile.load(io_layout()).to(gl.float32)
-    q16 = q_tile._reinterpret(gl.float16, q_tile.shape, q_tile.layout)  # (each thread rewrites what it read)
-    q16.store(gl.minimum(gl.maximum(q, -65504.0), 65504.0).to(gl.float16))
-    fence_async_shared()
-    return q16
-
-
-@gluon.jit
-def _convert_tile(src, dst, t, STAGES: gl.constexpr):
-    """Ring tile ``t`` of an fp8 ring -> the 16-bit ring (``src``, ``dst``: (tiles, ready, empty)), once it has
-    landed and its 16-bit stage is free; published to the consumers, and its fp8 stage released to the loader."""
-    s = t % STAGES
-    phase = (t // STAGES) & 1
-    mbarrier.wait(src[1].index(s), phase)
-    mbarrier.wait(dst[2].index(s), phase ^ 1)
-    copy_tile(src[0].index(s), dst[0].index(s), 0, 0, False, 16)  # 16 rows at a time: 48 registers a thread
-    gl.thread_barrier()  # every warp's stores (and their fence) before the arrival
-    mbarrier.arrive(dst[1].index(s), count=1)
-    mbarrier.arrive(src[2].index(s), count=1)
-
-
-@gluon.jit
 def _convert_partition(k_rings, v_rings, slots8, slots, STAGES: gl.constexpr):
-    """Warps turning an fp8 cache's tiles, as the loader lands them, into the fp16 tiles the consumers' wgmma
-    takes (exact: one instruction for two values), in the order the consumers read them (tile ``j + 1``'s K
-    before tile ``j``'s V); each item's fields go on to the consumers with its first K tile.
+    """Warps turning an fp8 cache's tiles into the consumers' fp16 tiles (:func:`attend_sm90.convert_range`),
+    item by item; each item's fields go on to the consumers with its first K tile.
     ``k_rings`` / ``v_rings``: ((fp8 tiles, ready, empty), (16-bit tiles, ready, empty))."""
-    k8, k16 = k_rings
-    v8, v16 = v_rings
     it = gl.to_tensor(0)
-    kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full = handed(slots8, k8[1], it, STAGES)
+    kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full = handed(slots8, k_rings[0][1], it, STAGES)
     while n_tiles > 0:
-        hand(slots, k16[1], k16[2], it, (kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full), STAGES)
-        _convert_tile(k8, k16, it, STAGES)
-        for j in range(n_tiles):
-            if j + 1 < n_tiles:
-                _convert_tile(k8, k16, it + j + 1, STAGES)
-            _convert_tile(v8, v16, it + j, STAGES)
-        it += n_tiles
-        kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full = handed(slots8, k8[1], it, STAGES)
-    hand_end(slots, k16[1], k16[2], it, STAGES)
+        hand(slots, k_rings[1][1], k_rings[1][2], it, (kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full),
+             STAGES)
+        it = convert_range(k_rings, v_rings, it, n_tiles, STAGES)
+        kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full = handed(slots8, k_rings[0][1], it, STAGES)
+    hand_end(slots, k_rings[1][1], k_rings[1][2], it, STAGES)
 
 
 @gluon.jit

@@ -5,6 +5,8 @@ portable node kernel there). CUDA-graph replay: tests/test_cascade.py's GPU test
 case plans 128-row node tiles, which run here on Hopper)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ import paged_backend as pb
 from paged_backend.cascade import cascade_node_kernel_name
 from paged_backend.kernels.cascade import SM90_TAIL_GROUP, runs_tails
 from paged_backend.kernels.dispatch import SM90_TRITON, triton_release
-from tests.paged_inputs import make_cache, misaligned, of_fused_rows, poison_outside
+from tests.paged_inputs import make_cache, make_fp8_cache, misaligned, of_fused_rows, poison_outside
 from tests.reference import assert_close_state, decode_reference
 from tests.test_cascade import KEEP_ALL
 from tests.test_cascade_plan import fused_expected
@@ -88,6 +90,36 @@ def test_against_fp64(case, layout, dtype, tails):
     q, k, v, table, lens = groups_inputs(case.pop("prefixes"), case.pop("n"), case.pop("suffix"), case.pop("hq"),
                                          case.pop("hkv"), case.pop("d"), case.pop("bs"), dtype, layout, **case)
     run_case(q, k, v, table, lens, bs, tails)
+
+
+@pytest.mark.parametrize("kv_dtype, dtype", [(torch.float8_e4m3fn, torch.bfloat16), (torch.float8_e5m2, torch.float16)],
+                         ids=["e4m3-bf16", "e5m2-fp16"])
+@pytest.mark.parametrize("layout", ["nhd", "vllm"])
+@pytest.mark.parametrize("case", [
+    dict(prefixes=[1024, 400, 3000], n=16, suffix=5, hq=32, hkv=4, d=128, bs=32, system=512),  # two levels, group 8
+    dict(prefixes=[2048], n=48, suffix=100, hq=32, hkv=8, d=128, bs=16),      # 48 members: a partial row block
+    dict(prefixes=[777 // 16 * 16], n=64, suffix=16, hq=16, hkv=8, d=64, bs=16),  # group 2, d 64
+])
+def test_fp8_cache_nodes(case, layout, kv_dtype, dtype):
+    """fp8 caches, planned as the engine plans them (1-byte values: no fused lists): the node pieces of plans with
+    128-row tiles on the Hopper kernel (converter warps make its fp16 tiles; 9 programs, so nodes are cut into
+    pieces too), the tails on the decode kernel - against fp64 on the dequantized cache; the same bits twice."""
+    case = dict(case)
+    bs, hkv, d = case["bs"], case["hkv"], case["d"]
+    q, k, v, table, lens = groups_inputs(case.pop("prefixes"), case.pop("n"), case.pop("suffix"), case.pop("hq"),
+                                         case.pop("hkv"), case.pop("d"), case.pop("bs"), dtype, layout, **case)
+    k, v = make_fp8_cache(k.shape[0], bs, hkv, d, kv_dtype, 0.05, 0.02, device="cuda", layout=layout)
+    bt, sl = torch.from_numpy(table).cuda(), torch.from_numpy(lens.astype(np.int32)).cuda()
+    cplan = pb.plan_cascade(table, lens, num_q_heads=q.shape[1], num_kv_heads=hkv, head_dim=d, block_size=bs,
+                            device="cuda", cost=dataclasses.replace(KEEP_ALL, kv_elem_bytes=1), block_table_device=bt,
+                            node_programs=9)
+    assert not cplan.is_flat and cplan.block_m == 128 and "fused_prog_ptr" not in cplan.views
+    assert cascade_node_kernel_name(q, k, v, cplan, scales=(torch.tensor([0.05]), torch.tensor([0.02]))) == "sm90"
+    out, lse = pb.cascade_decode(q, k, v, cplan, k_scale=0.05, v_scale=0.02)
+    ref = decode_reference(q.cpu(), k.cpu().float() * 0.05, v.cpu().float() * 0.02, bt.cpu(), sl.cpu())
+    assert_close_state(out, lse, *ref, dtype)
+    again = pb.cascade_decode(q, k, v, cplan, k_scale=0.05, v_scale=0.02)
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
 
 
 def test_cut_pieces_deterministic_and_poisoned():

@@ -167,9 +167,10 @@ def sm90_compiled(monkeypatch):
     return out
 
 
-def _node_call(hq, hkv, d, softcap, tails=True):
+def _node_call(hq, hkv, d, softcap, tails=True, kv_dtype=torch.bfloat16):
     """The Hopper cascade node kernel with the tails in its launch (the engine's decode step of 64
-    samples of a 4K prompt, 40 tokens each), or (``tails`` False) its node pieces only."""
+    samples of a 4K prompt, 40 tokens each), or (``tails`` False) its node pieces only (over an fp8
+    ``kv_dtype``, bf16 queries)."""
     import paged_backend as pb
     from paged_backend.kernels.cascade_sm90 import cascade_nodes_sm90, node_sm90_config
     n, bs, prefix = 64, 16, 4096
@@ -179,8 +180,9 @@ def _node_call(hq, hkv, d, softcap, tails=True):
     plan = pb.plan_cascade(table, np.full(n, prefix + 40), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                            block_size=bs, device=torch.device("cpu"), block_table_device=torch.from_numpy(table))
     q = torch.zeros(n, hq, d, dtype=torch.bfloat16)
-    k = torch.zeros(pages + n * 4, bs, hkv, d, dtype=torch.bfloat16)
-    cfg = node_sm90_config(q, k, k.clone(), plan, softcap, (None, None))
+    k = torch.zeros(pages + n * 4, bs, hkv, d, dtype=kv_dtype)
+    scales = (torch.ones(1), torch.ones(1)) if kv_dtype.itemsize == 1 else (None, None)
+    cfg = node_sm90_config(q, k, k.clone(), plan, softcap, scales)
     assert cfg is not None and "fused_prog_ptr" in plan.views, "the plan is not one the Hopper kernel runs"
     return lambda: cascade_nodes_sm90(q, k, k.clone(), plan, d ** -0.5, cfg, True, tails)
 
@@ -241,6 +243,8 @@ SM90_CASES = {
     "cascade_node d64 g8 softcap": lambda: _node_call(32, 4, 64, 30.0),
     "cascade_node d128 g4 nodes only": lambda: _node_call(32, 8, 128, 0.0, False),
     "cascade_node d128 g8": lambda: _node_call(32, 4, 128, 0.0),
+    "cascade_node d128 g4 e4m3 nodes only": lambda: _node_call(32, 8, 128, 0.0, False, torch.float8_e4m3fn),
+    "cascade_node d64 g8 e5m2 softcap nodes only": lambda: _node_call(32, 4, 64, 30.0, False, torch.float8_e5m2),
     "prefill d128 g4 causal": lambda: _prefill_call(32, 8, 128, True, False),
     "prefill d64 g1 sinks": lambda: _prefill_call(8, 8, 64, False, True),
     "prefill d128 g4 causal, queries without TMA": lambda: _prefill_call(32, 8, 128, True, False, False),

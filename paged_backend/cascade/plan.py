@@ -41,8 +41,8 @@ class CascadeCost:
     extra pieces). It is kept iff ``n >= 2`` and saving > cost; otherwise its tokens fold into its
     children. If the kept nodes save less than ``min_total_bytes`` in all, the plan falls back to
     flat decode (two fewer launches), so cascade is never slower than flat decode. Caches of other
-    than 2 bytes a value (fp8) never get the Hopper kernel's lists (it reads fp16/bf16 caches): their
-    plans keep the portable kernels' tiles.
+    than 2 bytes a value (fp8) never get the Hopper kernel's fused lists (over them it runs the node
+    pieces only, with converter warps): their plans keep the portable kernels' tiles.
     ``CascadeCost(0, 0, 0)`` keeps every shared block (tests).
 
     ``wide_tile_flops``: node GEMM FLOPs per node program from which 256-row tiles may be chosen.
