@@ -241,7 +241,7 @@ def node_sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     the prefill with 64-key tiles were slower; ``results/sweeps/cascade_fused_sm90_h100.log``)."""
     if plan.window or plan.block_m != NODE_BLOCK_M or plan.node_block_n % 64:
         return None
-    fp8 = scales[0] is not None
+    fp8 = k_cache.element_size() == 1
     view = covered(q, k_cache, v_cache, fp8)
     if view is None:
         return None

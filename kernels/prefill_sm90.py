@@ -305,11 +305,10 @@ def sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     converter fills take 208 KB with the queries' (128-key tiles: 256 KB, over the 227 KB a program has)."""
     if window:
         return None
-    fp8 = scales[0] is not None
-    view = covered(q, k_cache, v_cache, fp8)
+    view = covered(q, k_cache, v_cache, k_cache.element_size() == 1)
     if view is None:
         return None
-    block_n, stages = (64, 3) if fp8 else (128, 2)
+    block_n, stages = (64, 3) if k_cache.element_size() == 1 else (128, 2)
     return dict(block_n=block_n, page_box=min(k_cache.shape[1], block_n), stages=stages, view=view, softcap=softcap,
                 scales=scales)
 
