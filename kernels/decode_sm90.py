@@ -50,8 +50,8 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from paged_backend.kernels.attend import LOG2E
 from paged_backend.kernels.attend_sm90 import (FIELDS, alloc_ring, attend_swapped, descriptors, finish_swapped,
-                                               hand, hand_end, handed, io_layout, load_q, load_range, q_descriptor,
-                                               sink_scale, swapped_layout)
+                                               fp16_operand, hand, hand_end, handed, io_layout, load_q, load_range,
+                                               q_descriptor, sink_scale, swapped_layout)
 from paged_backend.kernels.attend_sm90 import covered as covered_sm90  # (this module's covered adds the plan's terms)
 from paged_backend.kernels.dispatch import SM90_DECODE_GROUP, q_tma
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
@@ -111,10 +111,10 @@ def consumer(rows, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr,
     while n_tiles > 0:
         mbarrier.wait(q_ready.index(n % 2), (n // 2) & 1)
         if F8:  # fp16 operands (attend.mma_operand): the queries saturated to fp16's range
-            q = q_ring.index(n % 2).load(io_layout()).to(gl.float32)
+            q = q_ring.index(n % 2).load(io_layout())
             mbarrier.arrive(q_empty.index(n % 2), count=1)
             q_tile = q_smem
-            q_tile.store(gl.minimum(gl.maximum(q, -65504.0), 65504.0).to(q_smem.dtype))
+            q_tile.store(fp16_operand(q))
             fence_async_shared()
         else:
             q_tile = q_ring.index(n % 2)
