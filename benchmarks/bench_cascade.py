@@ -287,9 +287,12 @@ def main():
         slug = C.gpu_slug(device)
         out = a.out or os.path.join(C.ROOT, "benchmarks", "results", f"{slug}.json")
         md = a.md or os.path.join(C.ROOT, "benchmarks", "results", f"{slug}.md")
-        C.write_json(out, BENCH, results)
+        key, title = BENCH, "Cascade decode"
+        if a.kv_dtype:  # a section of its own
+            key, title = f"{BENCH}:fp8", "Cascade decode over fp8 (e4m3) caches"
+        C.write_json(out, key, results)
         plan_line = results.get("plan", {})
-        C.write_md_section(md, BENCH, f"## Cascade decode ({C.gpu_name(device)}, {C.now()})\n\n"
+        C.write_md_section(md, key, f"## {title} ({C.gpu_name(device)}, {C.now()})\n\n"
                            f"us, % of the unique-bytes floor at {bw:.0f} GB/s copy bandwidth. "
                            f"plan_cascade 1024 x 2K blocks: {plan_line}\n\n{table}\n")
     elif a.out:
