@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 import paged_backend as pb  # noqa: E402
-from paged_backend.cascade import cascade_node_kernel_name  # noqa: E402
+from paged_backend.cascade import CascadeCost, cascade_node_kernel_name  # noqa: E402
 
 BENCH = "cascade"
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -120,15 +120,18 @@ def fi_flat(case, device, dtype):
 def ours_flat(case, device, dtype):
     bt = torch.from_numpy(case["table"]).to(device)
     sl = torch.from_numpy(case["lens"].astype(np.int32)).to(device)
-    plan = pb.plan_decode(case["lens"], num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BS, device=device)
+    plan = pb.plan_decode(case["lens"], num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BS, device=device,
+                          kv_dtype=case["kv_dtype"])
     fns = [lambda q=q, k=k, v=v: pb.paged_decode(q, k, v, bt, sl, plan=plan) for q, k, v in case["sets"]]
     return fns, fns[0]
 
 
 def ours_cascade(case, device, dtype, node_programs=None):
     bt_dev = torch.from_numpy(case["table"]).to(device)
+    cost = CascadeCost(kv_elem_bytes=case["kv_dtype"].itemsize)  # as the engine plans (fp8: 1-byte reads)
     cplan = pb.plan_cascade(case["table"], case["lens"], num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                            block_size=BS, device=device, block_table_device=bt_dev, node_programs=node_programs)
+                            block_size=BS, device=device, block_table_device=bt_dev, node_programs=node_programs,
+                            cost=cost)
     case["cplan"] = cplan
     fns = [lambda q=q, k=k, v=v: pb.cascade_decode(q, k, v, cplan) for q, k, v in case["sets"]]
     return fns, fns[0]
