@@ -183,7 +183,8 @@ def main():
     p.add_argument("--cases", help="comma-separated case names (default: all)")
     p.add_argument("--impls", help=f"comma-separated subset of {','.join(IMPLS)}")
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
-    p.add_argument("--kv-dtype", choices=["fp8"], help="fp8 (e4m3) caches, bf16 queries (floor counts fp8 bytes)")
+    p.add_argument("--kv-dtype", choices=["fp8"], help="fp8 (e4m3) caches, bf16 queries (floor counts fp8 bytes), "
+                   "planned as the engine plans them; results in a section of their own")
     p.add_argument("--node-programs", help="comma-separated node grids to time ours with besides the default "
                                            "(plan_cascade's node_programs: a sweep; rows ours_cascade@N in the JSON)")
     p.add_argument("--node-tiles", help="comma-separated KEYSxSTAGES of the Hopper node kernel's K/V tiles to time ours "
