@@ -28,6 +28,12 @@ from paged_backend.kernels.dispatch import q_tma, sm90_shape
 
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (wgmma's M per warpgroup)
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program (registers: 2 x 128 threads at 240)
+# Registers a thread of the kernels with converter warps (fp8 caches): [the second consumer warpgroup, the loader
+# warp, the two converter warps] (loader and converters share a warpgroup: equal; the first consumer warpgroup
+# gets what is left of 512: 200). The converters turn a whole 64-key tile at once (64 values a thread in, as many
+# out): at 48 registers, 16 rows at a time, the prefill over fp8 ran 1.13-1.14x slower (H200, 2026-11-30,
+# results/sweeps/prefill_fp8_sm90_h200.log).
+CONVERT_REGS = gl.constexpr([200, 112, 112])
 
 
 @gluon.constexpr_function
@@ -245,20 +251,16 @@ def _tile_rows(d, nbytes, warps=4):
 
 
 @gluon.jit
-def copy_tile(src, dst, n0, hi, ZERO: gl.constexpr, CHUNK: gl.constexpr = 0):
+def copy_tile(src, dst, n0, hi, ZERO: gl.constexpr):
     """A K/V tile ``src [BLOCK_N, D]`` of keys ``n0 ..`` -> ``dst`` in its dtype (fp8 -> 16-bit, exact; or in
-    place), ``CHUNK`` rows at a time (0: all at once; fewer registers for warps that have few);
-    ``ZERO``: keys at or past ``hi`` become zeros (the last page's slots past a sequence may hold
+    place); ``ZERO``: keys at or past ``hi`` become zeros (the last page's slots past a sequence may hold
     anything, NaN x 0 is NaN)."""
     layout: gl.constexpr = _tile_rows(src.shape[1], src.dtype.primitive_bitwidth // 8, gl.num_warps())
-    N: gl.constexpr = src.shape[0]
-    STEP: gl.constexpr = CHUNK if CHUNK > 0 else N
-    for r in gl.static_range(0, N, STEP):
-        x = src.slice(r, STEP).load(layout).to(dst.dtype)
-        if ZERO:
-            keys = n0 + r + gl.arange(0, STEP, layout=gl.SliceLayout(1, layout))
-            x = gl.where(keys[:, None] < hi, x, gl.zeros_like(x))
-        dst.slice(r, STEP).store(x)
+    x = src.load(layout).to(dst.dtype)
+    if ZERO:
+        keys = n0 + gl.arange(0, src.shape[0], layout=gl.SliceLayout(1, layout))
+        x = gl.where(keys[:, None] < hi, x, gl.zeros_like(x))
+    dst.store(x)
     fence_async_shared()
 
 
@@ -290,7 +292,7 @@ def convert_tile(src, dst, t, STAGES: gl.constexpr):
     phase = (t // STAGES) & 1
     mbarrier.wait(src[1].index(s), phase)
     mbarrier.wait(dst[2].index(s), phase ^ 1)
-    copy_tile(src[0].index(s), dst[0].index(s), 0, 0, False, 16)  # 16 rows at a time: 48 registers a thread
+    copy_tile(src[0].index(s), dst[0].index(s), 0, 0, False)  # the whole tile at once (CONVERT_REGS)
     gl.thread_barrier()  # every warp's stores (and their fence) before the arrival
     mbarrier.arrive(dst[1].index(s), count=1)
     mbarrier.arrive(src[2].index(s), count=1)

@@ -38,9 +38,10 @@ from triton.experimental.gluon import language as gl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from paged_backend.kernels.attend import LOG2E
-from paged_backend.kernels.attend_sm90 import (ROWS, alloc_ring, alloc_ring_of, alloc_rings, attend_tiles,
-                                               convert_range, covered, descriptors, finish_state, io_layout,
-                                               load_range, load_rows, mma_layout, q_descriptor, release_tiles)
+from paged_backend.kernels.attend_sm90 import (CONVERT_REGS, ROWS, alloc_ring, alloc_ring_of, alloc_rings,
+                                               attend_tiles, convert_range, covered, descriptors, finish_state,
+                                               io_layout, load_range, load_rows, mma_layout, q_descriptor,
+                                               release_tiles)
 from paged_backend.kernels.decode_sm90 import alloc_hand, consumer as tail_consumer, loader as tail_loader
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
 
@@ -216,7 +217,7 @@ def _cascade_node_sm90_kernel(
             (_node_convert_partition, (((k8, k8_ready, k8_empty), (k_smem, k_ready, k_empty)),
                                        ((v8, v8_ready, v8_empty), (v_smem, v_ready, v_empty)), pieces, BLOCK_N,
                                        STAGES)),
-        ], [4, 1, 2], [232, 48, 48])
+        ], [4, 1, 2], CONVERT_REGS)
     else:
         gl.warp_specialize([
             (_node_consumer_partition, (rows, pieces, 0, GROUP, GP, D, BLOCK_N, STAGES, SOFTCAP)),

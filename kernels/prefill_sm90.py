@@ -39,10 +39,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from paged_backend.kernels.attend import LOG2E
-from paged_backend.kernels.attend_sm90 import (CONSUMERS, FIELDS, ROWS, alloc_ring, alloc_ring_of, attend_tiles,
-                                               convert_range, covered, descriptors, finish_state, fp16_tile, hand,
-                                               hand_end, handed, io_layout, load_q, load_range, load_rows, mma_layout,
-                                               q_descriptor, sink_scale, uniform)
+from paged_backend.kernels.attend_sm90 import (CONSUMERS, CONVERT_REGS, FIELDS, ROWS, alloc_ring, alloc_ring_of,
+                                               attend_tiles, convert_range, covered, descriptors, finish_state,
+                                               fp16_tile, hand, hand_end, handed, io_layout, load_q, load_range,
+                                               load_rows, mma_layout, q_descriptor, sink_scale, uniform)
 from paged_backend.kernels.dispatch import num_sms
 from paged_backend.kernels.launch import launch, pow2
 
@@ -281,7 +281,7 @@ def _prefill_sm90_kernel(
                                q_load, TOK, BS, BLOCK_N, PAGE_BOX, STAGES, BLOCK_B, CAUSAL, HKV, Q_TMA)),
             (_convert_partition, (((k8, k8_ready, k8_empty), (k_smem, k_ready, k_empty)),
                                   ((v8, v8_ready, v8_empty), (v_smem, v_ready, v_empty)), slots8, slots, STAGES)),
-        ], [4, 1, 2], [232, 48, 48])
+        ], [4, 1, 2], CONVERT_REGS)
     else:
         gl.warp_specialize([
             (_consumer_partition, (rows, slots, q_load, scales, 0, GROUP, D, BLOCK_N, STAGES, CAUSAL, SINKS, SOFTCAP,
