@@ -1,5 +1,5 @@
 """The cascade node kernel for Hopper (sm_90): the node pieces of a ``CascadePlan`` with TMA page loads
-and warp-specialised wgmma (kernels/attend_sm90.py), writing the same partial states as
+and warp-specialised wgmma (kernels/ring_sm90.py, kernels/attend_sm90.py), writing the same partial states as
 ``_cascade_node_kernel`` (kernels/cascade.py), which the fold then uses unchanged.
 
 A piece = (node, KV head, row block of 128 rows, token range): its rows are ``128 // GP`` member
@@ -21,7 +21,7 @@ during the node GEMMs of 4096/256/128); side by side, H200 2026-11-30 (bench_cas
 (``benchmarks/results/sweeps/cascade_tails_beside_h200.log``).
 
 Over an fp8 cache, the node pieces only (the decode kernel runs the tails): converter warps beside the loader
-turn its fp8 tiles into fp16 ones for the consumers (``attend_sm90.convert_range``), as in the Hopper prefill.
+turn its fp8 tiles into fp16 ones for the consumers (``ring_sm90.convert_range``), as in the Hopper prefill.
 
 As the portable node kernel, it lets the next kernel launch at once (PDL), and the plan replays it on
 later calls through a ``DescriptorRelaunch`` (kernels/launch.py): Gluon's launch path with its
@@ -38,10 +38,10 @@ from triton.experimental.gluon import language as gl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from paged_backend.kernels.attend import LOG2E
-from paged_backend.kernels.attend_sm90 import (CONVERT_REGS, ROWS, alloc_ring, alloc_ring_of, alloc_rings,
-                                               attend_tiles, convert_range, covered, descriptors, finish_state,
-                                               io_layout, load_range, load_rows, mma_layout, q_descriptor,
-                                               release_tiles)
+from paged_backend.kernels.attend_sm90 import (ROWS, alloc_rings, attend_tiles, finish_state, io_layout, load_rows,
+                                               mma_layout)
+from paged_backend.kernels.ring_sm90 import (CONVERT_REGS, alloc_ring, alloc_ring_of, convert_range, covered,
+                                             descriptors, load_range, q_descriptor, release_tiles)
 from paged_backend.kernels.decode_sm90 import alloc_hand, consumer as tail_consumer, loader as tail_loader
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
 
@@ -142,7 +142,7 @@ def _node_consumer_partition(rows, pieces, WG: gl.constexpr, GROUP: gl.constexpr
 
 @gluon.jit
 def _node_convert_partition(k_rings, v_rings, pieces, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Warps turning an fp8 cache's node tiles into the consumers' fp16 tiles (:func:`attend_sm90.convert_range`),
+    """Warps turning an fp8 cache's node tiles into the consumers' fp16 tiles (:func:`ring_sm90.convert_range`),
     piece by piece as the loader walks them."""
     work_ptr, prog_ptr = pieces
     g = gl.program_id(0)
@@ -231,7 +231,7 @@ def _cascade_node_sm90_kernel(
 def node_sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan, softcap: float,
                      scales) -> dict | None:
     """The Hopper node kernel's settings for a plan's node pieces, or None (the portable node kernel
-    runs; the caller checked the device): what ``attend_sm90.covered`` covers, a plan tile of 128
+    runs; the caller checked the device): what ``ring_sm90.covered`` covers, a plan tile of 128
     rows and node ranges cut at multiples of 64 keys, no window (soft-capped or not; over an fp8 cache with its
     ``scales``, the node pieces only: ``fp8``). (Its node pieces read the queries by pointer; its tails only by
     TMA: ``kernels/cascade.py runs_tails``.)

@@ -8,7 +8,7 @@ address, converts each value in the GEMMs' register layout, and reads V byte by 
 the GEMM's B operand runs along keys, the cache's along the head dimension). Over 16-bit caches it
 pads a group of 4 query heads to 16 GEMM rows.
 
-Here a loader warp streams K/V tiles of ``BLOCK_N`` keys, one TMA box per page (kernels/attend_sm90.py
+Here a loader warp streams K/V tiles of ``BLOCK_N`` keys, one TMA box per page (kernels/ring_sm90.py
 ``load_range``: no per-key addresses), and one consumer warpgroup runs both GEMMs "swapped":
 
 - ``S^T [BLOCK_N, NQ] = K [BLOCK_N, D] @ Q^T [D, NQ]``: the group's ``GROUP`` query heads (padded to
@@ -49,10 +49,11 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from paged_backend.kernels.attend import LOG2E
-from paged_backend.kernels.attend_sm90 import (FIELDS, alloc_ring, attend_swapped, descriptors, finish_swapped,
-                                               fp16_operand, hand, hand_end, handed, io_layout, load_q, load_range,
-                                               q_descriptor, sink_scale, swapped_layout)
-from paged_backend.kernels.attend_sm90 import covered as covered_sm90  # (this module's covered adds the plan's terms)
+from paged_backend.kernels.attend_sm90 import (attend_swapped, finish_swapped, fp16_operand, io_layout, sink_scale,
+                                               swapped_layout)
+from paged_backend.kernels.ring_sm90 import (FIELDS, alloc_ring, descriptors, hand, hand_end, handed, load_q,
+                                             load_range, q_descriptor)
+from paged_backend.kernels.ring_sm90 import covered as covered_sm90  # (this module's covered adds the plan's terms)
 from paged_backend.kernels.dispatch import SM90_DECODE_GROUP, q_tma
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
 
@@ -231,7 +232,7 @@ def _decode_sm90_kernel(
 
 def covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan):
     """The TMA view of the caches when this kernel runs the call, else None (the portable kernel
-    does): what ``attend_sm90.covered`` takes over a cache of the queries' dtype or fp8, with a group of
+    does): what ``ring_sm90.covered`` takes over a cache of the queries' dtype or fp8, with a group of
     at most 16 (the accumulators of larger ones spill in the two-programs-an-SM register budget), a
     plan without a window cut at multiples of the tile with at least ``MIN_TILES_PER_PROGRAM`` tiles a
     program, queries TMA can read (soft-capping and sinks are the kernel's own: :func:`decode_sm90` takes them)."""

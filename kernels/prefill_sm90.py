@@ -23,7 +23,7 @@ Over an fp8 cache, two **converter** warps (beside the loader warp, in its warpg
 loader lands (a ring of its own) into an fp16 tile of the consumers' ring; the GEMMs run on fp16 operands as the
 portable kernel's do. Tiles of 64 keys then: both rings and the queries' buffers fit in 208 KB.
 
-Pages are read as kernels/attend_sm90.py describes; boxes past the request's length load zeros,
+Pages are read as kernels/ring_sm90.py describes; boxes past the request's length load zeros,
 so no block-table entry past it is used. Slots past the length inside its last page may hold
 anything (NaN): scores there are masked, and the consumers zero those rows of the V tile before
 ``P V`` (NaN x 0 is NaN).
@@ -39,10 +39,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from paged_backend.kernels.attend import LOG2E
-from paged_backend.kernels.attend_sm90 import (CONSUMERS, CONVERT_REGS, FIELDS, ROWS, alloc_ring, alloc_ring_of,
-                                               attend_tiles, convert_range, covered, descriptors, finish_state,
-                                               fp16_tile, hand, hand_end, handed, io_layout, load_q, load_range,
-                                               load_rows, mma_layout, q_descriptor, sink_scale, uniform)
+from paged_backend.kernels.attend_sm90 import (CONSUMERS, ROWS, attend_tiles, finish_state, fp16_tile, io_layout,
+                                               load_rows, mma_layout, sink_scale)
+from paged_backend.kernels.ring_sm90 import (CONVERT_REGS, FIELDS, alloc_ring, alloc_ring_of, convert_range, covered,
+                                             descriptors, hand, hand_end, handed, load_q, load_range, q_descriptor,
+                                             uniform)
 from paged_backend.kernels.dispatch import num_sms
 from paged_backend.kernels.launch import launch, pow2
 
@@ -177,7 +178,7 @@ def _consumer_partition(rows, slots, q_load, scales, WG: gl.constexpr, GROUP: gl
 
 @gluon.jit
 def _convert_partition(k_rings, v_rings, slots8, slots, STAGES: gl.constexpr):
-    """Warps turning an fp8 cache's tiles into the consumers' fp16 tiles (:func:`attend_sm90.convert_range`),
+    """Warps turning an fp8 cache's tiles into the consumers' fp16 tiles (:func:`ring_sm90.convert_range`),
     item by item; each item's fields go on to the consumers with its first K tile.
     ``k_rings`` / ``v_rings``: ((fp8 tiles, ready, empty), (16-bit tiles, ready, empty))."""
     it = gl.to_tensor(0)
@@ -298,7 +299,7 @@ def sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
                 scales) -> dict | None:
     """The Hopper kernel's settings for this call, or None when it does not cover it and the
     portable kernel runs (the caller checked the device: ``dispatch.use_sm90``). Covered: what
-    :func:`attend_sm90.covered` covers (16-bit queries over a cache of their dtype or an fp8 one with its
+    :func:`ring_sm90.covered` covers (16-bit queries over a cache of their dtype or an fp8 one with its
     ``scales``), soft-capped or not, without a window.
 
     Tiles of 128 keys in two stages; over fp8, 64 keys in three: the fp8 ring and the 16-bit one the
