@@ -67,7 +67,7 @@ SM90_DECODE_GROUP = 16
 def sm90_shape(head_dim: int, block_size: int, group: int) -> bool:
     """The head size, page size and query heads per KV head the Hopper kernels take
     (kernels/ring_sm90.py ``covered``): head size 64 or 128, pages of 16+ tokens, a power-of-two
-    group of at most 64 (one warpgroup's rows); what a plan knows of them (cascade.fused.fuses)."""
+    group of at most 64 (one warpgroup's rows); what a plan knows of them (cascade.fused.hopper_nodes)."""
     return head_dim in (64, 128) and block_size >= 16 and group <= 64 and not group & (group - 1)
 
 

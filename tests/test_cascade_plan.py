@@ -299,24 +299,61 @@ def test_lockstep_plan(monkeypatch, hopper):
     assert nw[:, 4:6].tolist() == [[0, 64], [64, 192]] * 10
 
 
-UNCOVERED = {  # Hq, Hkv, D, page, bytes a cache value (the cost model's)
-    "fp8": (32, 2, 64, 16, 1), "d256": (32, 2, 256, 16, 2), "pages of 8": (32, 2, 64, 8, 2), "group 3": (12, 4, 64, 16, 2)}
+UNCOVERED = {  # Hq, Hkv, D, page, requests, bytes a cache value (the cost model's)
+    "d256": (32, 2, 256, 16, 40, 2), "pages of 8": (32, 2, 64, 8, 40, 2), "group 3": (12, 4, 64, 16, 40, 2),
+    "fp8, 64 rows a node": (32, 2, 64, 16, 4, 1)}
 
 
 @pytest.mark.parametrize("what", list(UNCOVERED))
-def test_no_fused_lists_where_the_hopper_kernel_cannot_run(monkeypatch, what):
-    """Plans the Hopper kernel would not run (1-byte caches by the cost model, head size 256, pages of
-    8, a group of 3): no fused lists, the portable kernels' tile choice and stream-K cuts."""
+def test_no_hopper_tiles_where_the_hopper_kernel_cannot_run(monkeypatch, what):
+    """Plans the Hopper kernel would not run (head size 256, pages of 8, a group of 3) or would run slower (1-byte
+    caches by the cost model with fewer than 128 rows a node): no fused lists, the portable kernels' tile choice
+    and stream-K cuts."""
     monkeypatch.setattr(cfused, "use_sm90", lambda device: True)
-    hq, hkv, d, bs, elem = UNCOVERED[what]
+    hq, hkv, d, bs, n, elem = UNCOVERED[what]
     rng = np.random.default_rng(7)
-    _, _, _, bt, lens = forest_inputs(rng, prefix_forest(40, 24 * 16 // bs, 5), bs, hq, hkv, d, torch.float32)
+    _, _, _, bt, lens = forest_inputs(rng, prefix_forest(n, 24 * 16 // bs, 5), bs, hq, hkv, d, torch.float32)
     cp = pb.plan_cascade(bt, lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, device="cpu",
                          cost=CascadeCost(0, 0, 0, kv_elem_bytes=elem), node_programs=22)
     check_partition(cp)
     gp = 1 << (hq // hkv - 1).bit_length()
     assert "fused_prog_ptr" not in cp.views
-    assert cp.block_m == cpart.choose_block_m(np.array([40 * gp]), cp.node_end - cp.node_start, gp, d)
+    assert cp.block_m == cpart.choose_block_m(np.array([n * gp]), cp.node_end - cp.node_start, gp, d)
+
+
+@pytest.mark.parametrize("hopper", [False, True])
+def test_fp8_lockstep_plan(monkeypatch, hopper):
+    """1-byte caches (the cost model's) on Hopper, one shared prefix of 40 requests of group 16 (640 rows): the
+    Hopper node kernel's 128-row tiles in lockstep as over 16-bit caches (test_lockstep_plan), but no fused lists
+    (its tails run on the decode kernel: the tails are cut over the tail programs). Elsewhere the tile choice."""
+    monkeypatch.setattr(cfused, "use_sm90", lambda device: hopper)
+    rng = np.random.default_rng(7)
+    _, _, _, bt, lens = forest_inputs(rng, prefix_forest(40, 12, 5), 16, 32, 2, 64, torch.float32)
+    cp = pb.plan_cascade(bt, lens, num_q_heads=32, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",
+                         cost=CascadeCost(0, 0, 0, kv_elem_bytes=1), node_programs=22, leaf_programs=6)
+    check_partition(cp)
+    assert "fused_prog_ptr" not in cp.views
+    if not hopper:
+        assert cp.block_m == cpart.choose_block_m(np.array([640]), cp.node_end - cp.node_start, 16, 64)
+        return
+    assert cp.block_m == 128 and cp.num_node_pieces == 20
+    assert cp.views["node_prog_ptr"].tolist() == list(range(21)) + [20, 20]
+    assert cp.views["node_work"].numpy()[:, 4:6].tolist() == [[0, 64], [64, 192]] * 10
+    lens_live = cp.seq_lens_host - cp.tail_start()
+    assert cp.views["leaf_prog_ptr"].tolist() == cut_pieces(-(-lens_live // cp.block_n), 6, 2)[2].tolist()
+
+
+def test_fp8_flat_fallback_takes_the_fp8_decode_plan(monkeypatch):
+    """A cascade plan that falls back to flat decode over a 1-byte cache (the cost model's) plans it as
+    ``plan_decode`` plans an fp8 cache: 3 programs an SM where the Hopper decode kernel runs it."""
+    from paged_backend import decode_plan
+    monkeypatch.setattr(decode_plan, "use_sm90", lambda device: True)
+    rng = np.random.default_rng(7)
+    _, _, _, bt, lens = forest_inputs(rng, prefix_forest(4, 2, 5), 16, 32, 8, 128, torch.float32)
+    for elem, per_sm in ((1, 3), (2, 2)):
+        cp = pb.plan_cascade(bt, lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cpu",
+                             cost=CascadeCost(kv_elem_bytes=elem))
+        assert cp.is_flat and cp.flat_plan.num_programs == 4 * per_sm  # (4 "SMs" on the CPU)
 
 
 @pytest.mark.kernel

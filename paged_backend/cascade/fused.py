@@ -1,6 +1,7 @@
 """How the plans the Hopper kernel runs (kernels/cascade_sm90.py) are cut, host numpy: whether a plan gets
-the lists it runs in one launch (:func:`fuses`: each program's node pieces, and beside them a run of the tail
-pieces, ``fused_prog_ptr``), and their node pieces in lockstep.
+128-row node tiles (:func:`hopper_nodes`), over 16-bit caches with the lists it runs in one launch (each
+program's node pieces, and beside them a run of the tail pieces, ``fused_prog_ptr``), and their node pieces in
+lockstep.
 
 Lockstep: stream-K (``plan.cut_pieces``) lays the (node, KV head, row block) segments end to end and
 cuts them into equal runs of the grid, so the pieces of one KV head's row blocks start at offsets
@@ -25,16 +26,23 @@ from paged_backend.kernels.dispatch import sm90_shape, use_sm90
 
 FUSED_BLOCK_M = 128  # the node tile of the Hopper kernel's fused lists
 LOCKSTEP_FILL = 7 / 8  # lockstep node pieces may leave this much of the node grid without node work
+# Over fp8 caches, the rows each node needs before its plan takes the Hopper kernel's 128-row lockstep tiles: with
+# fewer, its consumer warpgroups run partly empty and the conversion of every tile is paid for few rows (H200,
+# 2026-11-30, engine plans: 32768/256/256 653 -> 441 us, 8192/64/256 65.1 -> 60.9; but 32768/16/512, 64 rows a
+# node, 61.7 -> 84.2; benchmarks/results/sweeps/cascade_fp8_sm90_h200.log)
+FP8_MIN_ROWS = 128
 
 
-def fuses(plan, kv_elem_bytes: int) -> bool:
-    """Whether the plan gets fused lists with 128-row tiles: the Hopper node kernel may run its calls
-    (what ``kernels/attend_sm90.covered`` takes that a plan knows: head size 64 or 128, pages of 16+
-    tokens, a power-of-two group up to 64, caches of 2 bytes a value as the plan's CascadeCost says;
-    node ranges cut at multiples of 64 keys, no window). One launch measured 3-11% faster than the
-    Hopper node kernel then the decode kernel on every shape tried (H100, 2026-11-26, 64-key tiles;
-    ``benchmarks/results/sweeps/cascade_fused_sm90_h100.log``, run 10)."""
-    return (kv_elem_bytes == 2 and sm90_shape(plan.head_dim, plan.block_size, plan.num_q_heads // plan.num_kv_heads)
+def hopper_nodes(plan) -> bool:
+    """Whether the Hopper node kernel may run the plan's node pieces in 128-row tiles (what
+    ``kernels/ring_sm90.covered`` takes that a plan knows: head size 64 or 128, pages of 16+ tokens, a
+    power-of-two group up to 64; node ranges cut at multiples of 64 keys, no window). Over 16-bit caches
+    such plans get fused lists as well (the tails in the same launch: 3-11% faster than the node kernel
+    then the decode kernel on every shape tried, H100, 2026-11-26, 64-key tiles;
+    ``benchmarks/results/sweeps/cascade_fused_sm90_h100.log``, run 10); over fp8 caches the node kernel
+    runs the node pieces only, with converter warps, and the plan takes 128-row tiles only where every
+    node fills one (:data:`FP8_MIN_ROWS`)."""
+    return (sm90_shape(plan.head_dim, plan.block_size, plan.num_q_heads // plan.num_kv_heads)
             and not plan.node_block_n % 64 and not plan.window and use_sm90(plan.device))
 
 

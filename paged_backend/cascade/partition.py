@@ -7,17 +7,18 @@ pieces and the merge lists, packed into one int32 array that is copied to the de
 - Each piece writes one fp32 partial state per request of its row block (a *slot*), node slots
   first, in piece order. The merge list of ``(request, kv_head)`` holds its node slots (parents
   first, a node's pieces in token order), then its tail's: CSR ``req_ptr`` over the lists, ``slots``.
-- On Hopper, plans of 128-row node tiles also get the tails cut over the node programs (``fused_prog_ptr``:
-  program ``g``'s run of tail pieces), which the Hopper kernel runs beside each program's node pieces in one
-  launch (kernels/cascade_sm90.py); the slots are the same, so other kernels ignore the runs. Their node
-  segments are cut in lockstep where they are equally long, not stream-K (:mod:`paged_backend.cascade.fused`).
+- On Hopper, plans of 128-row node tiles over 16-bit caches also get the tails cut over the node programs
+  (``fused_prog_ptr``: program ``g``'s run of tail pieces), which the Hopper kernel runs beside each program's
+  node pieces in one launch (kernels/cascade_sm90.py); the slots are the same, so other kernels ignore the runs.
+  Their node segments (and those of fp8 plans whose nodes fill 128-row tiles) are cut in lockstep where they are
+  equally long, not stream-K (:mod:`paged_backend.cascade.fused`).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from paged_backend.cascade.fused import FUSED_BLOCK_M, fuses, lockstep, lockstep_pieces
+from paged_backend.cascade.fused import FP8_MIN_ROWS, FUSED_BLOCK_M, hopper_nodes, lockstep, lockstep_pieces
 from paged_backend.kernels.dispatch import num_sms
 from paged_backend.kernels.launch import pow2
 from paged_backend.decode_plan import cut_pieces
@@ -175,18 +176,20 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     sizes = ptr[1:] - ptr[:-1]
     units = -(-(end - start) // nbn)  # [K] each node's key tiles
     live = (lens > shared).nonzero()[0]  # the requests with a private tail
-    # Hopper runs 128-row tiles with the tails in one launch (fused lists: the tails cut over the node
-    # programs, which take them whole: fewer, longer pieces; no piece may start inside a page box)
+    # Hopper runs 128-row tiles, over 16-bit caches with the tails in one launch (fused lists: the tails cut over
+    # the node programs, which take them whole: fewer, longer pieces; no piece may start inside a page box)
     g128 = _node_grid(node_programs, sms, FUSED_BLOCK_M)
     fixed = plan.launch_all  # (a fixed arena's plan: its tile is the batch size's, no fused lists)
-    fusable = bool(live.size) and not fixed and fuses(plan, cost.kv_elem_bytes)
+    hopper = not fixed and hopper_nodes(plan)
+    fusable = hopper and bool(live.size) and cost.kv_elem_bytes == 2
     if fusable:
         tail_cut = cut_pieces(-(-(lens[live] - shared[live]) // bn), g128, hkv)
         fusable = not (tail_cut[4] * bn % min(plan.block_size, 64)).any()
-    # Fused 128-row tiles in lockstep (k pieces a node segment) beat the tiles chosen for the portable
-    # kernel on every plan measured (cascade/fused.py): 256-row ones (32768/256/256) and those of 16-64
-    # rows (32768/16/512, 131072/8/1024)
-    k = lockstep(units, hkv * -(-sizes * gp // FUSED_BLOCK_M), g128) if fusable else 0
+    # 128-row tiles in lockstep (k pieces a node segment) beat the tiles chosen for the portable kernel on every
+    # plan measured with fused lists (cascade/fused.py): 256-row ones (32768/256/256) and those of 16-64 rows
+    # (32768/16/512, 131072/8/1024); over fp8 caches, where every node has FP8_MIN_ROWS rows
+    fp8_lockstep = hopper and cost.kv_elem_bytes == 1 and bool(sizes.size) and (sizes * gp >= FP8_MIN_ROWS).all()
+    k = lockstep(units, hkv * -(-sizes * gp // FUSED_BLOCK_M), g128) if fusable or fp8_lockstep else 0
     if k:
         bm = FUSED_BLOCK_M
     elif fixed:

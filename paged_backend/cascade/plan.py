@@ -40,9 +40,10 @@ class CascadeCost:
     by the node pieces, read by the merge) plus ``node_fixed_bytes`` (tile quantisation, the
     extra pieces). It is kept iff ``n >= 2`` and saving > cost; otherwise its tokens fold into its
     children. If the kept nodes save less than ``min_total_bytes`` in all, the plan falls back to
-    flat decode (two fewer launches), so cascade is never slower than flat decode. Caches of other
-    than 2 bytes a value (fp8) never get the Hopper kernel's fused lists (over them it runs the node
-    pieces only, with converter warps): their plans keep the portable kernels' tiles.
+    flat decode (two fewer launches), so cascade is never slower than flat decode, planned for caches of
+    ``kv_elem_bytes`` (fp8 ones: the programs of the Hopper decode kernel). Caches of other than 2 bytes a
+    value (fp8) never get the Hopper kernel's fused lists (over them it runs the node pieces only, with
+    converter warps): their plans take its 128-row tiles only where every node fills one (cascade/fused.py).
     ``CascadeCost(0, 0, 0)`` keeps every shared block (tests).
 
     ``wide_tile_flops``: node GEMM FLOPs per node program from which 256-row tiles may be chosen.
@@ -214,8 +215,10 @@ def build_plan(table, lens, *, num_q_heads, num_kv_heads, head_dim, block_size, 
                        max_block_id=max_id, block_n=block_n_for(d) // 2, node_block_n=64 if d <= 128 else 32,
                        window=window, forest_nodes=forest_nodes, arena=arena)
     if plan.num_nodes == 0 and not plan.launch_all:
+        # (over an fp8 cache, the fp8 decode plan: either fp8 format plans alike)
         plan.flat_plan = plan_decode(lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                                     device=device, num_programs=leaf_programs, window=window)
+                                     device=device, num_programs=leaf_programs, window=window,
+                                     kv_dtype=torch.float8_e4m3fn if cost.kv_elem_bytes == 1 else None)
         src, h = staging(plan, [("seq_lens", lens.size)], block_table_device)
         h["seq_lens"][:] = lens
         upload(plan, src, h, block_table_device)
