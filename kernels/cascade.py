@@ -19,7 +19,8 @@ tails start while the node kernel runs (they write other slots) and finish after
 starts during the tails and waits for their writes. Elsewhere nodes and tails run on two streams.
 On sm_90, plans with fused lists (paged_backend/cascade/fused.py, ``fused_prog_ptr``) run the node
 and tail pieces in one launch of the Hopper kernel (kernels/cascade_sm90.py: side by side on each SM),
-then the merge.
+then the merge; over fp8 caches the Hopper decode kernel runs the tails (kernels/decode_sm90.py
+``pieces_sm90``, three programs an SM: ``cascade.fused.hopper_tails``) beside the node kernel.
 """
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from paged_backend.kernels.attend import (LOG2E, attend_paged_range, dequantized, fast_tanh, fp8_mma_f16, mma_operand,
                                           sink_states, soft_cap)
+from paged_backend.cascade.fused import hopper_tails
 from paged_backend.kernels.decode import call_key, fold_states, remember, run_pieces
-from paged_backend.kernels.dispatch import q_tma, use_pdl, use_sm90
+from paged_backend.kernels.dispatch import num_sms, q_tma, use_pdl, use_sm90
 from paged_backend.kernels.launch import launch, pow2, replay_stream
 
 # The largest group whose tails the Hopper node kernel runs beside its node pieces (kernels/cascade_sm90.py):
@@ -173,6 +175,12 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
         return bound and bound.lead(3)
 
     def tails(beside_prior=False):  # private tails: decode pieces that only write partial states
+        view = tails_sm90_view(q, k_cache, v_cache, plan)
+        if view is not None:  # Hopper, fp8: kernels/decode_sm90.py
+            from paged_backend.kernels.decode_sm90 import pieces_sm90
+            return pieces_sm90(q, k_cache, v_cache, bt, sl, out, lse, po, plse, v["leaf_work"], v["leaf_prog_ptr"],
+                               plan.leaf_programs, -(-plan.leaf_programs // num_sms(q.device)), scale, scales, view,
+                               pdl, softcap, beside_prior=beside_prior)
         return run_pieces(q, k_cache, v_cache, bt, sl, out, lse, po, plse, v["leaf_work"], v["leaf_prog_ptr"],
                           plan.leaf_programs, plan.block_n, scale, pdl, beside_prior=beside_prior, softcap=softcap,
                           scales=scales)
@@ -284,6 +292,16 @@ def runs_tails(plan, q: torch.Tensor, fp8: bool = False) -> bool:
     registers are left for the tails' consumer); else the decode kernel does."""
     return "fused_prog_ptr" in plan.views and plan.num_q_heads // plan.num_kv_heads <= SM90_TAIL_GROUP \
         and q_tma(q) and not fp8
+
+
+def tails_sm90_view(q, k_cache, v_cache, plan):
+    """The caches' TMA view where the Hopper decode kernel runs the plan's tails (over fp8 caches, on plan terms
+    only, so that an arena's plans launch alike: ``cascade.fused.hopper_tails``), else None (the portable
+    decode kernel runs them)."""
+    if k_cache.element_size() != 1 or not q_tma(q) or not hopper_tails(plan, 1):
+        return None
+    from paged_backend.kernels.ring_sm90 import covered
+    return covered(q, k_cache, v_cache, fp8=True)
 
 
 def node_sm90_config(q, k_cache, v_cache, plan, softcap: float, scales):

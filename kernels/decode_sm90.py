@@ -46,7 +46,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from paged_backend.kernels.attend import LOG2E
 from paged_backend.kernels.attend_sm90 import (attend_swapped, finish_swapped, fp16_operand, io_layout, sink_scale,
@@ -208,7 +208,10 @@ def _decode_sm90_kernel(
     stride_poh, stride_plp, stride_plh,
     GROUP: gl.constexpr, NQ: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
     PAGE_BOX: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr, SOFTCAP: gl.constexpr, SINKS: gl.constexpr,
+    WAIT_AT_END: gl.constexpr,
 ):
+    """``WAIT_AT_END``: launched beside the kernel before it (a cascade's tails beside its node pieces), the grid
+    ends only after that one, so that the fold's wait covers both."""
     if PDL:  # the fold may launch now: it waits for this grid's writes
         gdc_launch_dependents()
     F8: gl.constexpr = k_desc.dtype.is_fp8()
@@ -228,6 +231,8 @@ def _decode_sm90_kernel(
         (loader, (k_desc, v_desc, q_desc, bt_ptr, pieces, smem, stride_btb, stride_btn, page_rows, head_rows,
                   head_cols, oob_row, GROUP, BS, BLOCK_N, PAGE_BOX, STAGES)),
     ], [1], [24])
+    if WAIT_AT_END:
+        gdc_wait()
 
 
 def covered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan):
@@ -253,23 +258,36 @@ def decode_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan, scal
     ``softcap`` > 0 soft-caps the scores; ``sinks [Hq]`` fp32 (or None) join the states written to
     ``out``/``lse`` (the fold's ``sinks`` the folded ones). -> a relaunch taking the addresses of (q,
     k_cache, v_cache, block_table, seq_lens, out, lse), or None."""
+    return pieces_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, plan.partial_o, plan.partial_lse,
+                       plan.work, plan.prog_ptr, plan.num_programs, plan.programs_an_sm, scale, scales, view, pdl,
+                       softcap, sinks)
+
+
+def pieces_sm90(q, k_cache, v_cache, block_table, seq_lens, out, lse, partial_o, partial_lse, work, prog_ptr,
+                num_programs: int, per_sm: int, scale: float, scales, view, pdl: bool, softcap: float = 0.0,
+                sinks=None, beside_prior: bool = False):
+    """:func:`decode_sm90` over any pieces ``work [P, 5]`` (``prog_ptr [num_programs + 1]``: each program's),
+    ``per_sm`` programs an SM (its registers and ring); ``beside_prior`` (with PDL): the kernel before it on the
+    stream neither feeds nor reads these pieces (a cascade's tails beside its node pieces), so they start while it
+    runs and the grid ends after it, as ``kernels/decode.py run_pieces`` launches them."""
     hq, d = q.shape[1], q.shape[2]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    per_sm = min(plan.programs_an_sm, 4)
+    per_sm = min(per_sm, 4)
+    beside_prior = beside_prior and pdl
     block_n, stages = TILE[0], TILE[1] // (1 if per_sm <= 2 else 2)
     stages = max(1, stages // k_cache.element_size())  # 16-bit: the same bytes in flight
     box = min(bs, block_n)
-    po, plse = plan.partial_o, plan.partial_lse
     nq = max(8, group)
     bound = launch(
-        _decode_sm90_kernel, (plan.num_programs,), q_descriptor(q, (1, nq, d)),
+        _decode_sm90_kernel, (num_programs,), q_descriptor(q, (1, nq, d)),
         *descriptors(k_cache, v_cache, view, box, block_n),
-        block_table, seq_lens, out, lse, plan.work, plan.prog_ptr, po, plse,
+        block_table, seq_lens, out, lse, work, prog_ptr, partial_o, partial_lse,
         *(q if x is None else x for x in scales),  # (16-bit: not read)
         lse if sinks is None else sinks, scale, softcap * LOG2E, block_table.shape[1] * bs, *view[2:], view[0],
         seq_lens.stride(0), *block_table.stride(), out.stride(0), out.stride(1),
-        *lse.stride(), po.stride(0), po.stride(1), *plse.stride(),
+        *lse.stride(), partial_o.stride(0), partial_o.stride(1), *partial_lse.stride(),
         GROUP=group, NQ=nq, BS=bs, D=d, BLOCK_N=block_n, PAGE_BOX=box, STAGES=stages, PDL=pdl,
-        SOFTCAP=softcap > 0, SINKS=sinks is not None, num_warps=4, maxnreg=MAXNREG[per_sm])
+        SOFTCAP=softcap > 0, SINKS=sinks is not None, WAIT_AT_END=beside_prior, num_warps=4,
+        maxnreg=MAXNREG[per_sm], **({"launch_pdl": True} if beside_prior else {}))
     return bound and DescriptorRelaunch(bound, 7)

@@ -343,6 +343,25 @@ def test_fp8_lockstep_plan(monkeypatch, hopper):
     assert cp.views["leaf_prog_ptr"].tolist() == cut_pieces(-(-lens_live // cp.block_n), 6, 2)[2].tolist()
 
 
+@pytest.mark.parametrize("hq,bs,elem,hopper,per_sm", [
+    (32, 16, 1, True, 3),  # fp8 on Hopper: the Hopper decode kernel runs the tails, 3 programs an SM
+    (32, 16, 2, True, 4), (32, 16, 1, False, 4),
+    (32, 64, 1, True, 4),  # pages of 64: the tails' 32-key cuts would split a page box
+    (64, 16, 1, True, 4),  # group 32: the portable decode kernel's tails
+])
+def test_tail_grid(monkeypatch, hq, bs, elem, hopper, per_sm):
+    """The tails' grid: 3 programs an SM where the Hopper decode kernel runs them (cascade.fused.hopper_tails:
+    it spills at the portable tails' 4), else 4."""
+    monkeypatch.setattr(cfused, "use_sm90", lambda device: hopper)
+    rng = np.random.default_rng(7)
+    _, _, _, bt, lens = forest_inputs(rng, prefix_forest(8, 256 // bs, 5), bs, hq, 2, 128, torch.float32)
+    cp = pb.plan_cascade(bt, lens, num_q_heads=hq, num_kv_heads=2, head_dim=128, block_size=bs, device="cpu",
+                         cost=CascadeCost(0, 0, 0, kv_elem_bytes=elem))
+    check_partition(cp)
+    assert not cp.is_flat and cp.leaf_programs == 4 * per_sm  # (4 "SMs" on the CPU)
+    assert cfused.hopper_tails(cp, elem) == (per_sm == 3)
+
+
 def test_fp8_flat_fallback_takes_the_fp8_decode_plan(monkeypatch):
     """A cascade plan that falls back to flat decode over a 1-byte cache (the cost model's) plans it as
     ``plan_decode`` plans an fp8 cache: 3 programs an SM where the Hopper decode kernel runs it."""

@@ -13,8 +13,8 @@ import torch
 
 import paged_backend as pb
 from paged_backend.cascade import cascade_node_kernel_name
-from paged_backend.kernels.cascade import SM90_TAIL_GROUP, runs_tails
-from paged_backend.kernels.dispatch import SM90_TRITON, triton_release
+from paged_backend.kernels.cascade import SM90_TAIL_GROUP, runs_tails, tails_sm90_view
+from paged_backend.kernels.dispatch import SM90_TRITON, num_sms, triton_release
 from tests.paged_inputs import make_cache, make_fp8_cache, misaligned, of_fused_rows, poison_outside
 from tests.reference import assert_close_state, decode_reference
 from tests.test_cascade import KEEP_ALL
@@ -103,7 +103,8 @@ def test_against_fp64(case, layout, dtype, tails):
 def test_fp8_cache_nodes(case, layout, kv_dtype, dtype):
     """fp8 caches, planned as the engine plans them (1-byte values: no fused lists): the node pieces of plans with
     128-row tiles on the Hopper kernel (converter warps make its fp16 tiles; 9 programs, so nodes are cut into
-    pieces too), the tails on the decode kernel - against fp64 on the dequantized cache; the same bits twice."""
+    pieces too), the tails on the Hopper decode kernel beside it (three programs an SM) - against fp64 on the
+    dequantized cache; the same bits twice."""
     case = dict(case)
     bs, hkv, d = case["bs"], case["hkv"], case["d"]
     q, k, v, table, lens = groups_inputs(case.pop("prefixes"), case.pop("n"), case.pop("suffix"), case.pop("hq"),
@@ -115,6 +116,7 @@ def test_fp8_cache_nodes(case, layout, kv_dtype, dtype):
                             node_programs=9)
     assert not cplan.is_flat and cplan.block_m == 128 and "fused_prog_ptr" not in cplan.views
     assert cascade_node_kernel_name(q, k, v, cplan, scales=(torch.tensor([0.05]), torch.tensor([0.02]))) == "sm90"
+    assert tails_sm90_view(q, k, v, cplan) is not None and cplan.leaf_programs == 3 * num_sms(q.device)
     out, lse = pb.cascade_decode(q, k, v, cplan, k_scale=0.05, v_scale=0.02)
     ref = decode_reference(q.cpu(), k.cpu().float() * 0.05, v.cpu().float() * 0.02, bt.cpu(), sl.cpu())
     assert_close_state(out, lse, *ref, dtype)

@@ -207,11 +207,12 @@ def _prefill_call(hq, hkv, d, causal, sinks, q_tma=True, kv_dtype=torch.bfloat16
                                 causal, out, lse, cfg, sinks=s)
 
 
-def _decode_call(hq, hkv, d, kv_dtype, per_sm=2, softcap=0.0, sinks=False, q_dtype=torch.bfloat16):
+def _decode_call(hq, hkv, d, kv_dtype, per_sm=2, softcap=0.0, sinks=False, q_dtype=torch.bfloat16, beside=False):
     """The Hopper decode: a 4K request cut over programs and a short one, ``q_dtype`` queries over fp8 caches
-    (else the cache's); a plan of ``per_sm`` programs an SM (the CPU's 4 "SMs": its register budget)."""
+    (else the cache's); a plan of ``per_sm`` programs an SM (the CPU's 4 "SMs": its register budget); ``beside``:
+    its pieces launched beside the kernel before them, as a cascade's tails (``pieces_sm90``, WAIT_AT_END)."""
     import paged_backend as pb
-    from paged_backend.kernels.decode_sm90 import covered, decode_sm90
+    from paged_backend.kernels.decode_sm90 import covered, decode_sm90, pieces_sm90
     bs, lens = 16, [4096, 77]
     pages = sum(-(-n // bs) for n in lens)
     plan = pb.plan_decode(np.array(lens), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
@@ -224,8 +225,12 @@ def _decode_call(hq, hkv, d, kv_dtype, per_sm=2, softcap=0.0, sinks=False, q_dty
     view = covered(q, k, k.clone(), plan)
     assert view is not None, "not a call the Hopper decode takes"
     s = torch.zeros(hq) if sinks else None
-    return lambda: decode_sm90(q, k, k.clone(), table, torch.tensor(lens, dtype=torch.int32), out, lse, plan,
-                               d ** -0.5, scales, view, True, softcap, s)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    if beside:
+        return lambda: pieces_sm90(q, k, k.clone(), table, sl, out, lse, plan.partial_o, plan.partial_lse, plan.work,
+                                   plan.prog_ptr, plan.num_programs, per_sm, d ** -0.5, scales, view, True, softcap,
+                                   s, beside_prior=True)
+    return lambda: decode_sm90(q, k, k.clone(), table, sl, out, lse, plan, d ** -0.5, scales, view, True, softcap, s)
 
 
 SM90_CASES = {
@@ -233,6 +238,8 @@ SM90_CASES = {
     "decode d64 g16 e5m2": lambda: _decode_call(16, 1, 64, torch.float8_e5m2),
     "decode d64 g16 e5m2 fp16 queries": lambda: _decode_call(16, 1, 64, torch.float8_e5m2, q_dtype=torch.float16),
     "decode d128 g4 e4m3 3/SM": lambda: _decode_call(32, 8, 128, torch.float8_e4m3fn, 3),
+    "decode d128 g4 e4m3 3/SM beside (cascade tails)": lambda: _decode_call(32, 8, 128, torch.float8_e4m3fn, 3,
+                                                                           beside=True),
     "decode d128 g16 e4m3 3/SM": lambda: _decode_call(32, 2, 128, torch.float8_e4m3fn, 3),
     "decode d64 g8 e5m2 3/SM": lambda: _decode_call(32, 4, 64, torch.float8_e5m2, 3),
     "decode d128 g16 e4m3 3/SM softcap sinks": lambda: _decode_call(32, 2, 128, torch.float8_e4m3fn, 3, 30.0, True),

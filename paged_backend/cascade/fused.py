@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from paged_backend.kernels.dispatch import sm90_shape, use_sm90
+from paged_backend.kernels.dispatch import SM90_DECODE_GROUP, sm90_shape, use_sm90
 
 FUSED_BLOCK_M = 128  # the node tile of the Hopper kernel's fused lists
 LOCKSTEP_FILL = 7 / 8  # lockstep node pieces may leave this much of the node grid without node work
@@ -44,6 +44,18 @@ def hopper_nodes(plan) -> bool:
     node fills one (:data:`FP8_MIN_ROWS`)."""
     return (sm90_shape(plan.head_dim, plan.block_size, plan.num_q_heads // plan.num_kv_heads)
             and not plan.node_block_n % 64 and not plan.window and use_sm90(plan.device))
+
+
+def hopper_tails(plan, kv_elem_bytes: int) -> bool:
+    """Whether the Hopper decode kernel runs the plan's tails over an fp8 cache (kernels/cascade.py
+    ``tails_sm90_view``; over 16-bit caches the node kernel runs them, where the plan has fused lists): what
+    ``kernels/decode_sm90.covered`` takes that a plan knows (a group of at most ``SM90_DECODE_GROUP``, no
+    window), tail pieces cut where no page box of ``min(BS, 64)`` keys straddles a page. Their grid is then
+    ``FP8_SM90_PROGRAMS_PER_SM`` an SM (paged_backend/cascade/partition.py ``leaf_grid``): at the portable
+    tails' 4 the kernel spills."""
+    group = plan.num_q_heads // plan.num_kv_heads
+    return (kv_elem_bytes == 1 and group <= SM90_DECODE_GROUP and not plan.block_n % min(plan.block_size, 64)
+            and sm90_shape(plan.head_dim, plan.block_size, group) and not plan.window and use_sm90(plan.device))
 
 
 def lockstep(units: np.ndarray, per_node: np.ndarray, grid: int) -> int:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from paged_backend.cascade.fused import FP8_MIN_ROWS, FUSED_BLOCK_M, hopper_nodes, lockstep, lockstep_pieces
+from paged_backend.cascade.fused import (FP8_MIN_ROWS, FUSED_BLOCK_M, hopper_nodes, hopper_tails, lockstep,
+                                        lockstep_pieces)
 from paged_backend.kernels.dispatch import num_sms
 from paged_backend.kernels.launch import pow2
-from paged_backend.decode_plan import cut_pieces
+from paged_backend.decode_plan import FP8_SM90_PROGRAMS_PER_SM, cut_pieces
 
 NODE_FIELDS = 7  # (rep request, kv_head, member base, members in block, token_start, token_end, slot base)
 LEAF_FIELDS = 5  # (request, kv_head, token_start, token_end, slot) - the decode kernel's pieces
@@ -90,7 +91,7 @@ def partition(plan, group: int, node_programs, leaf_programs, block_table_device
     earlier plan whose nodes ``plan`` reuses; its partition is copied where only the tails' lengths
     changed (the same tails, one piece each, the same programs)."""
     sms = num_sms(plan.device)
-    gl = leaf_programs or sms * LEAF_PROGRAMS_PER_SM
+    gl = leaf_grid(plan, leaf_programs, sms, cost)
     # (a fixed arena's plan copies only another's: an eager plan's tile and lists would change its launches)
     if forest is not None and forest.launch_all == plan.launch_all \
             and _node_grid(node_programs, sms, forest.block_m) == forest.node_programs \
@@ -113,6 +114,14 @@ def partition(plan, group: int, node_programs, leaf_programs, block_table_device
         plan.partial_o = torch.empty(max(1, plan.num_slots), group, plan.head_dim, dtype=torch.float32,
                                      device=plan.device)
         plan.partial_lse = torch.empty(max(1, plan.num_slots), group, dtype=torch.float32, device=plan.device)
+
+
+def leaf_grid(plan, leaf_programs, sms: int, cost) -> int:
+    """The tails' persistent grid: the override, else ``LEAF_PROGRAMS_PER_SM`` an SM, or
+    ``FP8_SM90_PROGRAMS_PER_SM`` where the Hopper decode kernel runs them (fused.hopper_tails)."""
+    if leaf_programs:
+        return leaf_programs
+    return sms * (FP8_SM90_PROGRAMS_PER_SM if hopper_tails(plan, cost.kv_elem_bytes) else LEAF_PROGRAMS_PER_SM)
 
 
 def _node_grid(node_programs, sms: int, block_m: int) -> int:
