@@ -3,7 +3,8 @@
 Modules: ``ops`` (the two public ops and their argument checks), ``plan`` (the plan and its cost
 model), ``forest`` (sharing found from the block tables), ``reuse`` (a forest kept across decode
 steps), ``planner`` (plans step after step from the last one's forest), ``partition`` (the stream-K
-work split and the device buffers), ``fused`` (the Hopper kernel's lockstep lists), ``arena`` (fixed
+work split and the device buffers), ``merge_lists`` (each request's partial slots in fold order), ``fused``
+(how plans are cut for the Hopper kernels: tiles, fused lists, lockstep, the tails' grid), ``arena`` (fixed
 device buffers: one CUDA graph for many steps' plans).
 See docs/cascade.md.
 """

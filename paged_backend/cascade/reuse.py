@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from paged_backend.cascade.forest import group_depths
-from paged_backend.cascade.partition import memberships
+from paged_backend.cascade.merge_lists import memberships
 
 
 def restrict_forest(ptr, members, start, end, level, rows: np.ndarray, prev_batch: int, pays):
