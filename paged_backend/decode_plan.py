@@ -51,13 +51,13 @@ def block_n_for(head_dim: int) -> int:
     return 32 if head_dim > 128 else 64
 
 
-def programs_per_sm(device: torch.device, kv_dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
+def programs_per_sm(device: torch.device, kv_elem_bytes: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                     block_size: int, window) -> int:
     """Programs an SM of a plan (``G = SMs x this``): ``FP8_SM90_PROGRAMS_PER_SM`` where the Hopper decode
-    kernel will run it over a 1-byte cache (its plan terms: no window, a group of at most
-    ``SM90_DECODE_GROUP``), else ``PROGRAMS_PER_SM``."""
+    kernel will run it over a cache of 1-byte values (its plan terms: no window, a group of at most
+    ``SM90_DECODE_GROUP``), else ``PROGRAMS_PER_SM``. (A cascade plan's tails too: ``cascade.fused.hopper_tails``.)"""
     group = num_q_heads // num_kv_heads
-    if kv_dtype is None or kv_dtype.itemsize != 1 or window or group > SM90_DECODE_GROUP \
+    if kv_elem_bytes != 1 or window or group > SM90_DECODE_GROUP \
             or not sm90_shape(head_dim, block_size, group) or not use_sm90(device):
         return PROGRAMS_PER_SM
     return FP8_SM90_PROGRAMS_PER_SM
@@ -464,7 +464,8 @@ def plan_decode(seq_lens_cpu, *, num_q_heads: int, num_kv_heads: int, head_dim: 
     if kv_dtype is not None and not isinstance(kv_dtype, torch.dtype):
         raise TypeError(f"kv_dtype must be a torch.dtype or None, got {type(kv_dtype).__name__}")
     if num_programs is None:
-        num_programs = num_sms(device) * programs_per_sm(device, kv_dtype, num_q_heads, num_kv_heads, head_dim,
+        elem = 2 if kv_dtype is None else kv_dtype.itemsize
+        num_programs = num_sms(device) * programs_per_sm(device, elem, num_q_heads, num_kv_heads, head_dim,
                                                          block_size, window)
     elif isinstance(num_programs, bool) or not isinstance(num_programs, (int, np.integer)) or num_programs < 1:
         raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")

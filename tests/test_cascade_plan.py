@@ -352,7 +352,9 @@ def test_fp8_lockstep_plan(monkeypatch, hopper):
 def test_tail_grid(monkeypatch, hq, bs, elem, hopper, per_sm):
     """The tails' grid: 3 programs an SM where the Hopper decode kernel runs them (cascade.fused.hopper_tails:
     it spills at the portable tails' 4), else 4."""
+    from paged_backend import decode_plan
     monkeypatch.setattr(cfused, "use_sm90", lambda device: hopper)
+    monkeypatch.setattr(decode_plan, "use_sm90", lambda device: hopper)
     rng = np.random.default_rng(7)
     _, _, _, bt, lens = forest_inputs(rng, prefix_forest(8, 256 // bs, 5), bs, hq, 2, 128, torch.float32)
     cp = pb.plan_cascade(bt, lens, num_q_heads=hq, num_kv_heads=2, head_dim=128, block_size=bs, device="cpu",

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from paged_backend.kernels.dispatch import SM90_DECODE_GROUP, sm90_shape, use_sm90
+from paged_backend.decode_plan import FP8_SM90_PROGRAMS_PER_SM, programs_per_sm
+from paged_backend.kernels.dispatch import sm90_shape, use_sm90
 
 FUSED_BLOCK_M = 128  # the node tile of the Hopper kernel's fused lists
 LOCKSTEP_FILL = 7 / 8  # lockstep node pieces may leave this much of the node grid without node work
@@ -48,14 +49,13 @@ def hopper_nodes(plan) -> bool:
 
 def hopper_tails(plan, kv_elem_bytes: int) -> bool:
     """Whether the Hopper decode kernel runs the plan's tails over an fp8 cache (kernels/cascade.py
-    ``tails_sm90_view``; over 16-bit caches the node kernel runs them, where the plan has fused lists): what
-    ``kernels/decode_sm90.covered`` takes that a plan knows (a group of at most ``SM90_DECODE_GROUP``, no
-    window), tail pieces cut where no page box of ``min(BS, 64)`` keys straddles a page. Their grid is then
-    ``FP8_SM90_PROGRAMS_PER_SM`` an SM (paged_backend/cascade/partition.py ``leaf_grid``): at the portable
-    tails' 4 the kernel spills."""
-    group = plan.num_q_heads // plan.num_kv_heads
-    return (kv_elem_bytes == 1 and group <= SM90_DECODE_GROUP and not plan.block_n % min(plan.block_size, 64)
-            and sm90_shape(plan.head_dim, plan.block_size, group) and not plan.window and use_sm90(plan.device))
+    ``tails_sm90_view``; over 16-bit caches the node kernel runs them, where the plan has fused lists): where it
+    would run a decode plan of these shapes (``decode_plan.programs_per_sm``: 3 programs an SM, the tails' grid
+    then, paged_backend/cascade/partition.py ``leaf_grid``; at the portable tails' 4 the kernel spills), and the
+    tail pieces are cut where no page box of ``min(BS, 64)`` keys straddles a page."""
+    return (programs_per_sm(plan.device, kv_elem_bytes, plan.num_q_heads, plan.num_kv_heads, plan.head_dim,
+                            plan.block_size, plan.window) == FP8_SM90_PROGRAMS_PER_SM
+            and not plan.block_n % min(plan.block_size, 64))
 
 
 def lockstep(units: np.ndarray, per_node: np.ndarray, grid: int) -> int:

@@ -199,7 +199,7 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     # 128-row tiles in lockstep (k pieces a node segment) beat the tiles chosen for the portable kernel on every
     # plan measured with fused lists (cascade/fused.py): 256-row ones (32768/256/256) and those of 16-64 rows
     # (32768/16/512, 131072/8/1024); over fp8 caches, where every node has FP8_MIN_ROWS rows
-    fp8_lockstep = hopper and cost.kv_elem_bytes == 1 and bool(sizes.size) and (sizes * gp >= FP8_MIN_ROWS).all()
+    fp8_lockstep = hopper and cost.kv_elem_bytes == 1 and (sizes * gp >= FP8_MIN_ROWS).all()
     k = lockstep(units, hkv * -(-sizes * gp // FUSED_BLOCK_M), g128) if fusable or fp8_lockstep else 0
     if k:
         bm = FUSED_BLOCK_M
