@@ -20,7 +20,8 @@ starts during the tails and waits for their writes. Elsewhere nodes and tails ru
 On sm_90, plans with fused lists (paged_backend/cascade/fused.py, ``fused_prog_ptr``) run the node
 and tail pieces in one launch of the Hopper kernel (kernels/cascade_sm90.py: side by side on each SM),
 then the merge; over fp8 caches the Hopper decode kernel runs the tails (kernels/decode_sm90.py
-``pieces_sm90``, three programs an SM: ``cascade.fused.hopper_tails``) beside the node kernel.
+``pieces_sm90``, three programs an SM: ``cascade.fused.hopper_tails``), launched beside the node kernel - whose
+programs leave no room for them until it ends (results/sweeps/cascade_fp8_sm90_h200.log section 4).
 """
 from __future__ import annotations
 

@@ -20,9 +20,10 @@ during the node GEMMs of 4096/256/128); side by side, H200 2026-11-30 (bench_cas
 44.6 -> 39.6 us, 4096/256/128 81.6 -> 68.9, 32768/256/256 331.4 -> 287.1
 (``benchmarks/results/sweeps/cascade_tails_beside_h200.log``).
 
-Over an fp8 cache, the node pieces only (the Hopper decode kernel runs the tails beside it, kernels/cascade.py
-``tails_sm90_view``): converter warps beside the loader turn its fp8 tiles into fp16 ones for the consumers
-(``ring_sm90.convert_range``), as in the Hopper prefill.
+Over an fp8 cache, the node pieces only (the Hopper decode kernel runs the tails, launched beside it with PDL,
+kernels/cascade.py ``tails_sm90_view``, but they find no room on its SMs until it ends): converter warps beside
+the loader turn its fp8 tiles into fp16 ones for the consumers (``ring_sm90.convert_range``), as in the Hopper
+prefill.
 
 As the portable node kernel, it lets the next kernel launch at once (PDL), and the plan replays it on
 later calls through a ``DescriptorRelaunch`` (kernels/launch.py): Gluon's launch path with its
