@@ -202,8 +202,10 @@ def attend_swapped(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empt
         mbarrier.wait(k_ready.index(s), phase)
         if F8:
             k = k_smem.index(s).load(a_layout).to(gl.float16)  # wgmma's A from registers: no fp16 copy of K
-            mbarrier.arrive(k_empty.index(s), count=1)
             s_tok = warpgroup_mma(k, q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            # released after the GEMM's issue, which waits for its registers: every load of the stage has read it
+            # (an arrive does not wait for loads in flight; decode_sm90.consumer's queries raced so)
+            mbarrier.arrive(k_empty.index(s), count=1)
         else:
             s_tok = warpgroup_mma(k_smem.index(s), q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(s), phase)  # V's conversion runs beside the scores' GEMM

@@ -112,11 +112,14 @@ def consumer(rows, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr,
     while n_tiles > 0:
         mbarrier.wait(q_ready.index(n % 2), (n // 2) & 1)
         if F8:  # fp16 operands (attend.mma_operand): the queries saturated to fp16's range
-            q = q_ring.index(n % 2).load(io_layout())
-            mbarrier.arrive(q_empty.index(n % 2), count=1)
             q_tile = q_smem
-            q_tile.store(fp16_operand(q))
+            q_tile.store(fp16_operand(q_ring.index(n % 2).load(io_layout())))
             fence_async_shared()
+            # The box is released once its values are stored: a release right after the loads let the loader's
+            # next TMA into the box land before every load had read it (the barrier before an arrive does not
+            # wait for loads in flight) - wrong queries in a few pieces a call where the loader ran two short
+            # pieces ahead (sweeps/cascade_fp8_sm90_h200.log section 7).
+            mbarrier.arrive(q_empty.index(n % 2), count=1)
         else:
             q_tile = q_ring.index(n % 2)
         acc, m_i, l_i = attend_swapped(q_tile, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, it,
