@@ -186,7 +186,7 @@ def _convert_partition(k_rings, v_rings, slots8, slots, STAGES: gl.constexpr):
     while n_tiles > 0:
         hand(slots, k_rings[1][1], k_rings[1][2], it, (kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full),
              STAGES)
-        it = convert_range(k_rings, v_rings, it, n_tiles, STAGES)
+        it = convert_range(k_rings, v_rings, it, n_tiles)
         kvh, q_begin, q_len, t0, off, seq_len, n_tiles, n_full = handed(slots8, k_rings[0][1], it, STAGES)
     hand_end(slots, k_rings[1][1], k_rings[1][2], it, STAGES)
 

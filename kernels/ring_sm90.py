@@ -107,45 +107,57 @@ def _tile_rows(d, nbytes, warps=4):
 
 
 @gluon.jit
-def copy_tile(src, dst, n0, hi, ZERO: gl.constexpr):
+def copy_tile(src, dst, n0, hi, ZERO: gl.constexpr, CHUNK: gl.constexpr = 0):
     """A K/V tile ``src [BLOCK_N, D]`` of keys ``n0 ..`` -> ``dst`` in its dtype (fp8 -> 16-bit, exact; or in
-    place); ``ZERO``: keys at or past ``hi`` become zeros (the last page's slots past a sequence may hold
-    anything, NaN x 0 is NaN)."""
+    place), ``CHUNK`` rows at a time (0: all at once; fewer registers, more round trips); ``ZERO``: keys at or
+    past ``hi`` become zeros (the last page's slots past a sequence may hold anything, NaN x 0 is NaN)."""
     layout: gl.constexpr = _tile_rows(src.shape[1], src.dtype.primitive_bitwidth // 8, gl.num_warps())
-    x = src.load(layout).to(dst.dtype)
-    if ZERO:
-        keys = n0 + gl.arange(0, src.shape[0], layout=gl.SliceLayout(1, layout))
-        x = gl.where(keys[:, None] < hi, x, gl.zeros_like(x))
-    dst.store(x)
+    KEYS: gl.constexpr = src.shape[0]
+    STEP: gl.constexpr = CHUNK if CHUNK else KEYS
+    for r in gl.static_range(0, KEYS, STEP):
+        x = src.slice(r, STEP).load(layout).to(dst.dtype)
+        if ZERO:
+            keys = n0 + r + gl.arange(0, STEP, layout=gl.SliceLayout(1, layout))
+            x = gl.where(keys[:, None] < hi, x, gl.zeros_like(x))
+        dst.slice(r, STEP).store(x)
     fence_async_shared()
 
 
 @gluon.jit
-def convert_tile(src, dst, t, STAGES: gl.constexpr):
-    """Ring tile ``t`` of an fp8 ring -> the 16-bit ring (``src``, ``dst``: (tiles, ready, empty)), once it has
-    landed and its 16-bit stage is free; published to the consumers, and its fp8 stage released to the loader."""
-    s = t % STAGES
-    phase = (t // STAGES) & 1
-    mbarrier.wait(src[1].index(s), phase)
-    mbarrier.wait(dst[2].index(s), phase ^ 1)
-    copy_tile(src[0].index(s), dst[0].index(s), 0, 0, False)  # the whole tile at once (CONVERT_REGS)
-    gl.thread_barrier()  # every warp's stores (and their fence) before the arrival
-    mbarrier.arrive(dst[1].index(s), count=1)
-    mbarrier.arrive(src[2].index(s), count=1)
+def _stage(ring, t):
+    """Ring tile ``t``'s (stage, phase) in ``ring`` = (tiles [STAGES, ...], ready, empty)."""
+    STAGES: gl.constexpr = ring[0].shape[0]
+    return t % STAGES, (t // STAGES) & 1
 
 
 @gluon.jit
-def convert_range(k_rings, v_rings, it, n_tiles, STAGES: gl.constexpr):
+def convert_tile(src, dst, t, CHUNK: gl.constexpr):
+    """Ring tile ``t`` of an fp8 ring -> the 16-bit ring (``src``, ``dst``: (tiles, ready, empty), each with its
+    own stages), ``CHUNK`` rows at a time (the whole tile: 0), once it has landed and its 16-bit stage is free;
+    published to the consumers, and its fp8 stage released to the loader."""
+    s8, phase8 = _stage(src, t)
+    s, phase = _stage(dst, t)
+    mbarrier.wait(src[1].index(s8), phase8)
+    mbarrier.wait(dst[2].index(s), phase ^ 1)
+    copy_tile(src[0].index(s8), dst[0].index(s), 0, 0, False, CHUNK)
+    gl.thread_barrier()  # every warp's stores (and their fence) before the arrival
+    mbarrier.arrive(dst[1].index(s), count=1)
+    mbarrier.arrive(src[2].index(s8), count=1)
+
+
+@gluon.jit
+def convert_range(k_rings, v_rings, it, n_tiles, CHUNK: gl.constexpr = 0):
     """A converter's part of one work item (warps beside the loader, for consumers whose wgmma takes no fp8
     operand with 16-bit queries): ``n_tiles >= 1`` K and V tiles from ring tile ``it``, fp8 -> fp16 (exact: one
     instruction for two values), in the order :func:`attend_tiles` reads them (tile ``j + 1``'s K before tile
-    ``j``'s V). ``k_rings`` / ``v_rings``: ((fp8 tiles, ready, empty), (fp16 tiles, ready, empty)).
-    -> the next ring index."""
-    convert_tile(k_rings[0], k_rings[1], it, STAGES)
+    ``j``'s V). ``k_rings`` / ``v_rings``: ((fp8 tiles, ready, empty), (fp16 tiles, ready, empty)); the fp8 ring
+    may have fewer stages than the fp16 one. ``CHUNK``: rows converted at a time (0: the whole tile, 64 values a
+    thread in and as many out at 64 keys x 128: ``CONVERT_REGS``). -> the next ring index."""
+    convert_tile(k_rings[0], k_rings[1], it, CHUNK)
     for j in range(n_tiles):
         if j + 1 < n_tiles:
-            convert_tile(k_rings[0], k_rings[1], it + j + 1, STAGES)
-        convert_tile(v_rings[0], v_rings[1], it + j, STAGES)
+            convert_tile(k_rings[0], k_rings[1], it + j + 1, CHUNK)
+        convert_tile(v_rings[0], v_rings[1], it + j, CHUNK)
     return it + n_tiles
 
 
