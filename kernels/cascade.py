@@ -19,9 +19,10 @@ tails start while the node kernel runs (they write other slots) and finish after
 starts during the tails and waits for their writes. Elsewhere nodes and tails run on two streams.
 On sm_90, plans with fused lists (paged_backend/cascade/fused.py, ``fused_prog_ptr``) run the node
 and tail pieces in one launch of the Hopper kernel (kernels/cascade_sm90.py: side by side on each SM),
-then the merge; over fp8 caches the Hopper decode kernel runs the tails (kernels/decode_sm90.py
-``pieces_sm90``, three programs an SM: ``cascade.fused.hopper_tails``), launched beside the node kernel - whose
-programs leave no room for them until it ends (results/sweeps/cascade_fp8_sm90_h200.log section 4).
+then the merge (over fp8 caches only plans with short node GEMMs have such lists: ``CascadeCost.fp8_fused_flops``);
+other fp8 plans' tails run on the Hopper decode kernel (kernels/decode_sm90.py ``pieces_sm90``, three programs an
+SM: ``cascade.fused.hopper_tails``), launched beside the node kernel - whose programs leave no room for them until
+it ends (results/sweeps/cascade_fp8_sm90_h200.log section 4).
 """
 from __future__ import annotations
 
@@ -155,7 +156,7 @@ def cascade_triton(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: f
             return
 
     sm90 = node_sm90_config(q, k_cache, v_cache, plan, softcap, scales) if run_nodes else None
-    fused = sm90 is not None and runs_tails(plan, q, sm90["fp8"])  # the Hopper node kernel runs the tails too
+    fused = sm90 is not None and runs_tails(plan, q)  # the Hopper node kernel runs the tails too
 
     def nodes():
         if sm90 is not None:  # Hopper: kernels/cascade_sm90.py
@@ -286,13 +287,12 @@ def cascade_torch(q, k_cache, v_cache, plan, scale: float, out, lse, softcap: fl
     lse.copy_(run_lse)
 
 
-def runs_tails(plan, q: torch.Tensor, fp8: bool = False) -> bool:
+def runs_tails(plan, q: torch.Tensor) -> bool:
     """Whether the Hopper node kernel runs the plan's tails too, where it runs the plan's node pieces: plans
     with fused lists (``fused_prog_ptr``) of groups up to ``SM90_TAIL_GROUP``, queries that TMA reads (the
-    tails take them so), 16-bit caches (over ``fp8`` ones the node pieces take converter warps, and no
-    registers are left for the tails' consumer); else the decode kernel does."""
+    tails take them so); else the decode kernel does."""
     return "fused_prog_ptr" in plan.views and plan.num_q_heads // plan.num_kv_heads <= SM90_TAIL_GROUP \
-        and q_tma(q) and not fp8
+        and q_tma(q)
 
 
 def tails_sm90_view(q, k_cache, v_cache, plan):

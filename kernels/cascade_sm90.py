@@ -20,10 +20,14 @@ during the node GEMMs of 4096/256/128); side by side, H200 2026-11-30 (bench_cas
 44.6 -> 39.6 us, 4096/256/128 81.6 -> 68.9, 32768/256/256 331.4 -> 287.1
 (``benchmarks/results/sweeps/cascade_tails_beside_h200.log``).
 
-Over an fp8 cache, the node pieces only (the Hopper decode kernel runs the tails, launched beside it with PDL,
-kernels/cascade.py ``tails_sm90_view``, but they find no room on its SMs until it ends): converter warps beside
-the loader turn its fp8 tiles into fp16 ones for the consumers (``ring_sm90.convert_range``), as in the Hopper
-prefill.
+Over an fp8 cache, converter warps beside the loader turn its fp8 tiles into fp16 ones for the node consumers
+(``ring_sm90.convert_range``), as in the Hopper prefill. With ``TAILS`` (plans whose node GEMMs are short:
+``CascadeCost.fp8_fused_flops``) the tails' consumer converts its own (the decode kernel's fp8 path) and takes
+registers and shared memory from the node side (``F8_TAIL_REGS``): H200, 2026-11-30, against the tails on the
+decode kernel after the node kernel, 8192/64/256 53.7 -> 47.5 us, 4096/64/128 39.6 -> 33-38, but 32768/64/32
+101 -> 119 (``benchmarks/results/sweeps/cascade_fp8_sm90_h200.log`` section 6). Other fp8 plans' tails run on the
+Hopper decode kernel, launched beside this one with PDL (kernels/cascade.py ``tails_sm90_view``), which finds no
+room on its SMs until it ends.
 
 As the portable node kernel, it lets the next kernel launch at once (PDL), and the plan replays it on
 later calls through a ``DescriptorRelaunch`` (kernels/launch.py): Gluon's launch path with its
@@ -56,6 +60,15 @@ NODE_TILE = tuple(int(x) for x in os.environ.get("PAGED_BACKEND_NODE_TILE", "64x
 # set, one lane index that the compiler hoists into the prologue (tests/test_kernels_compile.py).
 TAIL_STAGES = 2
 TAIL_REGS = gl.constexpr([200, 104, 24, 24])
+# Over fp8 caches the tails' consumer is the first partition (it reads the kernel's arguments where it uses them: a
+# worker keeps them in registers) and takes what is left of 512 registers a thread: 112, where it spills nothing
+# (it converts K in registers as the decode kernel does, which gives its consumer 136). Then [the two node
+# warpgroups, the two loaders, the node tiles' converter warps]: loaders and converters share a warpgroup, so
+# one count for the four warps, 32, at which the converters turn F8_TAIL_CHUNK rows at a time (a whole tile needs
+# 112; with the node warpgroups under 184 they spill). The node ring's fp8 tiles land in TAIL_STAGES stages
+# (216 KB of shared memory in all).
+F8_TAIL_REGS = gl.constexpr([184, 184, 32, 32, 32])
+F8_TAIL_CHUNK = gl.constexpr(8)
 
 
 @gluon.jit
@@ -66,10 +79,12 @@ def _piece(work_ptr, p):
 
 
 @gluon.jit
-def _node_load_partition(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pieces,
-                         bt_ptr, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
-                         BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: the K/V tiles of every node piece of this program, in order."""
+def _node_load_partition(args, BS: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_BOX: gl.constexpr,
+                         STAGES: gl.constexpr):
+    """One warp: the K/V tiles of every node piece of this program, in order (``args``: the caches' descriptors,
+    their ring, the pieces, the block table and the caches' TMA view)."""
+    k_desc, v_desc, ring, pieces, bt_ptr, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row = args
+    k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = ring
     work_ptr, prog_ptr = pieces
     g = gl.program_id(0)
     it = gl.to_tensor(0)  # ring tiles so far (a tensor: it is carried through the loop)
@@ -143,7 +158,7 @@ def _node_consumer_partition(rows, pieces, WG: gl.constexpr, GROUP: gl.constexpr
 
 
 @gluon.jit
-def _node_convert_partition(k_rings, v_rings, pieces, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _node_convert_partition(k_rings, v_rings, pieces, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr):
     """Warps turning an fp8 cache's node tiles into the consumers' fp16 tiles (:func:`ring_sm90.convert_range`),
     piece by piece as the loader walks them."""
     work_ptr, prog_ptr = pieces
@@ -151,7 +166,7 @@ def _node_convert_partition(k_rings, v_rings, pieces, BLOCK_N: gl.constexpr, STA
     it = gl.to_tensor(0)
     for p in range(gl.load(prog_ptr + g), gl.load(prog_ptr + g + 1)):
         _, _, _, _, start, end, _ = _piece(work_ptr, p)
-        it = convert_range(k_rings, v_rings, it, gl.maximum(gl.cdiv(end - start, BLOCK_N), 1), STAGES)
+        it = convert_range(k_rings, v_rings, it, gl.maximum(gl.cdiv(end - start, BLOCK_N), 1), CHUNK)
 
 
 @gluon.jit
@@ -164,8 +179,8 @@ def _cascade_node_sm90_kernel(
     PDL: gl.constexpr, TAILS: gl.constexpr, SOFTCAP: gl.constexpr,
 ):
     """``t_q``: the queries again, as the tails read them: a TMA descriptor (``TAILS``; else not read). Over an
-    fp8 cache (never with ``TAILS``: no registers are left for a converter beside the tails' consumer), the loader
-    lands the tiles in a ring of their own and converter warps make the consumers' fp16 tiles."""
+    fp8 cache the loader lands the node tiles in a ring of their own and converter warps make the consumers' fp16
+    tiles."""
     if PDL:  # the tails or the merge may launch now: they wait for this grid where they must
         gdc_launch_dependents()
     # Row strides are >= 0 (torch's): their 64-bit products need no sign words, which the compiler would otherwise
@@ -176,57 +191,72 @@ def _cascade_node_sm90_kernel(
     gl.assume(stride_pop >= 0)
     gl.assume(stride_plp >= 0)
     F8: gl.constexpr = k_desc.dtype.is_fp8()
-    gl.static_assert(not (F8 and TAILS), "fp8 caches: the node pieces only")
     if F8:  # fp16 operands, as the portable kernel's (attend.mma_operand)
         q_smem = gl.allocate_shared_memory(gl.float16, [2, ROWS, D],
                                            gl.NVMMASharedLayout.get_default_for([ROWS, D], gl.float16))
         tile16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.float16)
         k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_ring_of(gl.float16, tile16, BLOCK_N, D, STAGES, 2)
-        k8, v8, k8_ready, v8_ready, k8_empty, v8_empty = alloc_ring(k_desc, v_desc, BLOCK_N, STAGES, 1)
+        # the tiles as they land: as many stages, or with the tails' ring beside them 2 (shared memory)
+        LAND: gl.constexpr = TAIL_STAGES if TAILS else STAGES
+        k8, v8, k8_ready, v8_ready, k8_empty, v8_empty = alloc_ring(k_desc, v_desc, BLOCK_N, LAND, 1)
+        node_ring = (k8, v8, k8_ready, v8_ready, k8_empty, v8_empty)
     else:
         q_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_rings(k_desc, v_desc, D, BLOCK_N, STAGES)
+        LAND: gl.constexpr = STAGES
+        node_ring = (k_smem, v_smem, k_ready, v_ready, k_empty, v_empty)
     rows = (q_ptr, members_ptr, po_ptr, plse_ptr, q_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
             v_empty, stride_qb, stride_qh, stride_pop, stride_poh, stride_plp, stride_plh, sm_scale, cap)
     pieces = (work_ptr, prog_ptr)
+    scales = (k_scale_ptr, v_scale_ptr)
+    node_loader_args = (k_desc, v_desc, node_ring, pieces, bt_ptr, stride_btb, stride_btn, page_rows, head_rows,
+                        head_cols, oob_row)
+    if F8:
+        rings = (((k8, k8_ready, k8_empty), (k_smem, k_ready, k_empty)),
+                 ((v8, v8_ready, v8_empty), (v_smem, v_ready, v_empty)))
     if TAILS:  # the Hopper decode's consumer and loader over the program's tail pieces, on a ring of their own
-        op: gl.constexpr = k_desc.dtype
+        op: gl.constexpr = gl.float16 if F8 else k_desc.dtype  # (the decode kernel's operands)
         t_k, t_v, t_kr, t_vr, t_ke, t_ve = alloc_ring(k_desc, v_desc, BLOCK_N, TAIL_STAGES, 1)
-        t_qs, t_p, t_slots, t_qr, t_qready, t_qempty = alloc_hand(t_q, op, BLOCK_N, TAIL_STAGES, False)
-        # (16-bit caches: V's tiles are the operand)
-        t_smem = (t_qs, t_k, t_v, t_v, t_p, t_kr, t_vr, t_ke, t_ve, t_slots, t_qr, t_qready, t_qempty)
-        # (tails write partial slots only: the output, scales and sinks are not read)
-        t_rows = (po_ptr, plse_ptr, po_ptr, plse_ptr, plse_ptr, plse_ptr, plse_ptr, sm_scale, cap, stride_pop,
+        t_qs, t_p, t_slots, t_qr, t_qready, t_qempty = alloc_hand(t_q, op, BLOCK_N, TAIL_STAGES, F8)
+        if F8:  # V's tiles converted for their GEMM
+            t_v16 = gl.allocate_shared_memory(op, [BLOCK_N, D], gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], op))
+        else:  # (16-bit caches: V's tiles are the operand)
+            t_v16 = t_v
+        t_smem = (t_qs, t_k, t_v, t_v16, t_p, t_kr, t_vr, t_ke, t_ve, t_slots, t_qr, t_qready, t_qempty)
+        # (tails write partial slots only: the output and sinks are not read)
+        t_rows = (po_ptr, plse_ptr, po_ptr, plse_ptr, k_scale_ptr, v_scale_ptr, plse_ptr, sm_scale, cap, stride_pop,
                   stride_poh, stride_plp, stride_plh, stride_pop, stride_poh, stride_plp, stride_plh)
         t_pieces = (leaf_ptr, tail_prog_ptr, seq_lens_ptr, stride_sl, max_tokens)
-        gl.warp_specialize([
-            (_node_consumer_partition, (rows, pieces, 0, GROUP, GP, D, BLOCK_N, STAGES, SOFTCAP)),
-            (_node_consumer_partition, (rows, pieces, 1, GROUP, GP, D, BLOCK_N, STAGES, SOFTCAP)),
-            (tail_consumer, (t_rows, t_smem, GROUP, NQ, D, BLOCK_N, TAIL_STAGES, SOFTCAP, False, True)),
-            (_node_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pieces,
-                                    bt_ptr, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
-                                    BS, BLOCK_N, PAGE_BOX, STAGES)),
-            (tail_loader, (k_desc, v_desc, t_q, bt_ptr, t_pieces, t_smem, stride_btb, stride_btn, page_rows,
-                           head_rows, head_cols, oob_row, GROUP, BS, BLOCK_N, PAGE_BOX, TAIL_STAGES)),
-        ], [4, 4, 1, 1], TAIL_REGS)
+        if F8:
+            gl.warp_specialize([
+                (tail_consumer, (t_rows, t_smem, GROUP, NQ, D, BLOCK_N, TAIL_STAGES, SOFTCAP, False, True)),
+                (_node_consumer_partition, (rows, pieces, 0, GROUP, GP, D, BLOCK_N, STAGES, SOFTCAP, scales, F8)),
+                (_node_consumer_partition, (rows, pieces, 1, GROUP, GP, D, BLOCK_N, STAGES, SOFTCAP, scales, F8)),
+                (_node_load_partition, (node_loader_args, BS, BLOCK_N, PAGE_BOX, LAND)),
+                (tail_loader, (k_desc, v_desc, t_q, bt_ptr, t_pieces, t_smem, stride_btb, stride_btn, page_rows,
+                               head_rows, head_cols, oob_row, GROUP, BS, BLOCK_N, PAGE_BOX, TAIL_STAGES)),
+                (_node_convert_partition, (rings[0], rings[1], pieces, BLOCK_N, F8_TAIL_CHUNK)),
+            ], [4, 4, 1, 1, 2], F8_TAIL_REGS)
+        else:
+            gl.warp_specialize([
+                (_node_consumer_partition, (rows, pieces, 0, GROUP, GP, D, BLOCK_N, STAGES, SOFTCAP)),
+                (_node_consumer_partition, (rows, pieces, 1, GROUP, GP, D, BLOCK_N, STAGES, SOFTCAP)),
+                (tail_consumer, (t_rows, t_smem, GROUP, NQ, D, BLOCK_N, TAIL_STAGES, SOFTCAP, False, True)),
+                (_node_load_partition, (node_loader_args, BS, BLOCK_N, PAGE_BOX, LAND)),
+                (tail_loader, (k_desc, v_desc, t_q, bt_ptr, t_pieces, t_smem, stride_btb, stride_btn, page_rows,
+                               head_rows, head_cols, oob_row, GROUP, BS, BLOCK_N, PAGE_BOX, TAIL_STAGES)),
+            ], [4, 4, 1, 1], TAIL_REGS)
     elif F8:
-        scales = (k_scale_ptr, v_scale_ptr)
         gl.warp_specialize([
             (_node_consumer_partition, (rows, pieces, 0, GROUP, GP, D, BLOCK_N, STAGES, SOFTCAP, scales, F8)),
             (_node_consumer_partition, (rows, pieces, 1, GROUP, GP, D, BLOCK_N, STAGES, SOFTCAP, scales, F8)),
-            (_node_load_partition, (k_desc, v_desc, k8, v8, k8_ready, v8_ready, k8_empty, v8_empty, pieces,
-                                    bt_ptr, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
-                                    BS, BLOCK_N, PAGE_BOX, STAGES)),
-            (_node_convert_partition, (((k8, k8_ready, k8_empty), (k_smem, k_ready, k_empty)),
-                                       ((v8, v8_ready, v8_empty), (v_smem, v_ready, v_empty)), pieces, BLOCK_N,
-                                       STAGES)),
+            (_node_load_partition, (node_loader_args, BS, BLOCK_N, PAGE_BOX, LAND)),
+            (_node_convert_partition, (rings[0], rings[1], pieces, BLOCK_N, 0)),
         ], [4, 1, 2], CONVERT_REGS)
     else:
         gl.warp_specialize([
             (_node_consumer_partition, (rows, pieces, 0, GROUP, GP, D, BLOCK_N, STAGES, SOFTCAP)),
             (_node_consumer_partition, (rows, pieces, 1, GROUP, GP, D, BLOCK_N, STAGES, SOFTCAP)),
-            (_node_load_partition, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, pieces,
-                                    bt_ptr, stride_btb, stride_btn, page_rows, head_rows, head_cols, oob_row,
-                                    BS, BLOCK_N, PAGE_BOX, STAGES)),
+            (_node_load_partition, (node_loader_args, BS, BLOCK_N, PAGE_BOX, LAND)),
         ], [4, 1], [240, 24])
 
 
@@ -235,8 +265,8 @@ def node_sm90_config(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """The Hopper node kernel's settings for a plan's node pieces, or None (the portable node kernel
     runs; the caller checked the device): what ``ring_sm90.covered`` covers, a plan tile of 128
     rows and node ranges cut at multiples of 64 keys, no window (soft-capped or not; over an fp8 cache with its
-    ``scales``, the node pieces only: ``fp8``). (Its node pieces read the queries by pointer; its tails only by
-    TMA: ``kernels/cascade.py runs_tails``.)
+    ``scales``: ``fp8``). (Its node pieces read the queries by pointer; its tails only by TMA:
+    ``kernels/cascade.py runs_tails``.)
 
     Tiles of 64 keys in three stages, where the prefill kernel takes 128 x 2: node pieces are short
     (a few dozen tiles) and tail pieces shorter, and finer stages keep more of them in flight (H100,

@@ -321,18 +321,21 @@ def test_no_hopper_tiles_where_the_hopper_kernel_cannot_run(monkeypatch, what):
     assert cp.block_m == cpart.choose_block_m(np.array([n * gp]), cp.node_end - cp.node_start, gp, d)
 
 
-@pytest.mark.parametrize("hopper", [False, True])
-def test_fp8_lockstep_plan(monkeypatch, hopper):
-    """1-byte caches (the cost model's) on Hopper, one shared prefix of 40 requests of group 16 (640 rows): the
-    Hopper node kernel's 128-row tiles in lockstep as over 16-bit caches (test_lockstep_plan), but no fused lists
-    (its tails run on the decode kernel: the tails are cut over the tail programs). Elsewhere the tile choice."""
+@pytest.mark.parametrize("hopper,fused_flops", [(False, 2.0 ** 27), (True, 2.0 ** 27), (True, 2.0 ** 21)])
+def test_fp8_lockstep_plan(monkeypatch, hopper, fused_flops):
+    """1-byte caches (the cost model's) on Hopper, one shared prefix of 40 requests of group 16 (640 rows, 2.9e6
+    node GEMM FLOPs a node program): the Hopper node kernel's 128-row tiles in lockstep as over 16-bit caches
+    (test_lockstep_plan), with fused lists up to the cost model's ``fp8_fused_flops`` (else the tails are cut over
+    the tail programs). Elsewhere the tile choice and no fused lists."""
     monkeypatch.setattr(cfused, "use_sm90", lambda device: hopper)
     rng = np.random.default_rng(7)
     _, _, _, bt, lens = forest_inputs(rng, prefix_forest(40, 12, 5), 16, 32, 2, 64, torch.float32)
     cp = pb.plan_cascade(bt, lens, num_q_heads=32, num_kv_heads=2, head_dim=64, block_size=16, device="cpu",
-                         cost=CascadeCost(0, 0, 0, kv_elem_bytes=1), node_programs=22, leaf_programs=6)
+                         cost=CascadeCost(0, 0, 0, kv_elem_bytes=1, fp8_fused_flops=fused_flops), node_programs=22,
+                         leaf_programs=6)
     check_partition(cp)
-    assert "fused_prog_ptr" not in cp.views
+    fused = hopper and fused_flops > 2.9e6
+    assert ("fused_prog_ptr" in cp.views) == fused
     if not hopper:
         assert cp.block_m == cpart.choose_block_m(np.array([640]), cp.node_end - cp.node_start, 16, 64)
         return
@@ -340,7 +343,11 @@ def test_fp8_lockstep_plan(monkeypatch, hopper):
     assert cp.views["node_prog_ptr"].tolist() == list(range(21)) + [20, 20]
     assert cp.views["node_work"].numpy()[:, 4:6].tolist() == [[0, 64], [64, 192]] * 10
     lens_live = cp.seq_lens_host - cp.tail_start()
-    assert cp.views["leaf_prog_ptr"].tolist() == cut_pieces(-(-lens_live // cp.block_n), 6, 2)[2].tolist()
+    if fused:
+        check_fused(cp)
+        assert cp.views["fused_prog_ptr"].tolist() == cut_pieces(-(-lens_live // cp.block_n), 22, 2)[2].tolist()
+    else:
+        assert cp.views["leaf_prog_ptr"].tolist() == cut_pieces(-(-lens_live // cp.block_n), 6, 2)[2].tolist()
 
 
 @pytest.mark.parametrize("hq,bs,elem,hopper,per_sm", [

@@ -20,6 +20,9 @@ from tests.reference import assert_close_state, decode_reference
 from tests.test_cascade import KEEP_ALL
 from tests.test_cascade_plan import fused_expected
 
+# fp8 plans as the engine makes them, every shared block kept, with fused lists whatever the node GEMMs' size
+FP8_FUSED = dataclasses.replace(KEEP_ALL, kv_elem_bytes=1, fp8_fused_flops=float("inf"))
+
 hopper = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
          and triton_release() in SM90_TRITON),
@@ -100,11 +103,13 @@ def test_against_fp64(case, layout, dtype, tails):
     dict(prefixes=[2048], n=48, suffix=100, hq=32, hkv=8, d=128, bs=16),      # 48 members: a partial row block
     dict(prefixes=[777 // 16 * 16], n=64, suffix=16, hq=16, hkv=8, d=64, bs=16),  # group 2, d 64
 ])
-def test_fp8_cache_nodes(case, layout, kv_dtype, dtype):
-    """fp8 caches, planned as the engine plans them (1-byte values: no fused lists): the node pieces of plans with
-    128-row tiles on the Hopper kernel (converter warps make its fp16 tiles; 9 programs, so nodes are cut into
-    pieces too), the tails on the Hopper decode kernel beside it (three programs an SM) - against fp64 on the
-    dequantized cache; the same bits twice."""
+@pytest.mark.parametrize("tails", ["fused", "decode"])
+def test_fp8_cache_nodes(case, layout, kv_dtype, dtype, tails):
+    """fp8 caches, planned as the engine plans them (1-byte values): the node pieces of plans with 128-row tiles
+    on the Hopper kernel (converter warps make its fp16 tiles; 9 programs, so nodes are cut into pieces too), the
+    tails beside them in the same kernel where the plan has fused lists ("fused": the cost model's FLOPs bound on
+    them lifted), else (the lists dropped: "decode") on the Hopper decode kernel launched beside it (three
+    programs an SM) - against fp64 on the dequantized cache; the same bits twice."""
     case = dict(case)
     bs, hkv, d = case["bs"], case["hkv"], case["d"]
     q, k, v, table, lens = groups_inputs(case.pop("prefixes"), case.pop("n"), case.pop("suffix"), case.pop("hq"),
@@ -112,16 +117,42 @@ def test_fp8_cache_nodes(case, layout, kv_dtype, dtype):
     k, v = make_fp8_cache(k.shape[0], bs, hkv, d, kv_dtype, 0.05, 0.02, device="cuda", layout=layout)
     bt, sl = torch.from_numpy(table).cuda(), torch.from_numpy(lens.astype(np.int32)).cuda()
     cplan = pb.plan_cascade(table, lens, num_q_heads=q.shape[1], num_kv_heads=hkv, head_dim=d, block_size=bs,
-                            device="cuda", cost=dataclasses.replace(KEEP_ALL, kv_elem_bytes=1), block_table_device=bt,
-                            node_programs=9)
-    assert not cplan.is_flat and cplan.block_m == 128 and "fused_prog_ptr" not in cplan.views
-    assert cascade_node_kernel_name(q, k, v, cplan, scales=(torch.tensor([0.05]), torch.tensor([0.02]))) == "sm90"
-    assert tails_sm90_view(q, k, v, cplan) is not None and cplan.leaf_programs == 3 * num_sms(q.device)
+                            device="cuda", cost=FP8_FUSED, block_table_device=bt, node_programs=9)
+    assert not cplan.is_flat and cplan.block_m == 128
+    assert ("fused_prog_ptr" in cplan.views) == fused_expected(cplan, bs)
+    if tails == "decode":
+        cplan.views.pop("fused_prog_ptr", None)
+    fused = "fused_prog_ptr" in cplan.views and q.shape[1] // hkv <= SM90_TAIL_GROUP
+    scales = (torch.tensor([0.05]), torch.tensor([0.02]))
+    assert cascade_node_kernel_name(q, k, v, cplan, scales=scales) == ("sm90+tails" if fused else "sm90")
+    if not fused:
+        assert tails_sm90_view(q, k, v, cplan) is not None and cplan.leaf_programs == 3 * num_sms(q.device)
     out, lse = pb.cascade_decode(q, k, v, cplan, k_scale=0.05, v_scale=0.02)
     ref = decode_reference(q.cpu(), k.cpu().float() * 0.05, v.cpu().float() * 0.02, bt.cpu(), sl.cpu())
     assert_close_state(out, lse, *ref, dtype)
     again = pb.cascade_decode(q, k, v, cplan, k_scale=0.05, v_scale=0.02)
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+
+
+def test_fp8_fused_one_tile_tails_repeatable():
+    """fp8 cascade with the tails inside the node kernel, each tail one masked tile beside a 32K-key node (the
+    tails' loader runs pieces ahead of its consumer while the node GEMMs hold the SM): the same bits as the plan's
+    tails on the decode kernel, call after call. (A query box released before its loads had read it gave wrong
+    states to 2-57 of the 512 tail pieces a call: results/sweeps/cascade_fp8_sm90_h200.log section 7.)"""
+    q, k, v, table, lens = groups_inputs([32768], 64, 32, 32, 8, 128, 16, torch.bfloat16)
+    k, v = make_fp8_cache(k.shape[0], 16, 8, 128, torch.float8_e4m3fn, 0.05, 0.02, device="cuda")
+    bt = torch.from_numpy(table).cuda()
+    cplan = pb.plan_cascade(table, lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda",
+                            cost=FP8_FUSED, block_table_device=bt)
+    scales = (torch.tensor([0.05]), torch.tensor([0.02]))
+    assert cascade_node_kernel_name(q, k, v, cplan, scales=scales) == "sm90+tails"
+    runs = [pb.cascade_decode(q, k, v, cplan, k_scale=0.05, v_scale=0.02) for _ in range(6)]
+    cplan.views.pop("fused_prog_ptr")
+    cplan.launches.clear()
+    assert cascade_node_kernel_name(q, k, v, cplan, scales=scales) == "sm90"
+    ref = pb.cascade_decode(q, k, v, cplan, k_scale=0.05, v_scale=0.02)
+    for out, lse in runs:
+        assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
 
 
 def test_cut_pieces_deterministic_and_poisoned():

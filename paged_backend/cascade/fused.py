@@ -1,7 +1,7 @@
 """How the plans the Hopper kernel runs (kernels/cascade_sm90.py) are cut, host numpy: whether a plan gets
-128-row node tiles (:func:`hopper_nodes`), over 16-bit caches with the lists it runs in one launch (each
-program's node pieces, and beside them a run of the tail pieces, ``fused_prog_ptr``), and their node pieces in
-lockstep.
+128-row node tiles (:func:`hopper_nodes`), with the lists it runs in one launch (each program's node pieces, and
+beside them a run of the tail pieces, ``fused_prog_ptr``; over fp8 caches where the node GEMMs are short:
+``CascadeCost.fp8_fused_flops``), and their node pieces in lockstep.
 
 Lockstep: stream-K (``plan.cut_pieces``) lays the (node, KV head, row block) segments end to end and
 cuts them into equal runs of the grid, so the pieces of one KV head's row blocks start at offsets
@@ -41,8 +41,9 @@ def hopper_nodes(plan) -> bool:
     such plans get fused lists as well (the tails in the same launch: 3-11% faster than the node kernel
     then the decode kernel on every shape tried, H100, 2026-11-26, 64-key tiles;
     ``benchmarks/results/sweeps/cascade_fused_sm90_h100.log``, run 10); over fp8 caches the node kernel
-    runs the node pieces only, with converter warps, and the plan takes 128-row tiles only where every
-    node fills one (:data:`FP8_MIN_ROWS`)."""
+    takes converter warps, the plan takes 128-row tiles only where every node fills one
+    (:data:`FP8_MIN_ROWS`), and fused lists only where its node GEMMs are short (``CascadeCost.fp8_fused_flops``:
+    the tails' consumer beside the converter slows the node side)."""
     return (sm90_shape(plan.head_dim, plan.block_size, plan.num_q_heads // plan.num_kv_heads)
             and not plan.node_block_n % 64 and not plan.window and use_sm90(plan.device))
 

@@ -233,5 +233,5 @@ def cascade_node_kernel_name(q, k_cache, v_cache, cplan, softcap: float = 0.0, s
     from paged_backend.kernels.cascade import node_sm90_config, runs_tails
     from paged_backend.kernels.dispatch import use_triton
     if q.is_cuda and node_sm90_config(q, k_cache, v_cache, cplan, softcap, scales) is not None:
-        return "sm90+tails" if runs_tails(cplan, q, k_cache.element_size() == 1) else "sm90"
+        return "sm90+tails" if runs_tails(cplan, q) else "sm90"
     return "portable" if use_triton(q) else "torch"

@@ -187,26 +187,28 @@ def _new_partition(plan, group: int, node_programs, gl: int, sms: int, block_tab
     sizes = ptr[1:] - ptr[:-1]
     units = -(-(end - start) // nbn)  # [K] each node's key tiles
     live = (lens > shared).nonzero()[0]  # the requests with a private tail
-    # Hopper runs 128-row tiles, over 16-bit caches with the tails in one launch (fused lists: the tails cut over
-    # the node programs, which take them whole: fewer, longer pieces; no piece may start inside a page box)
+    # Hopper runs 128-row tiles with the tails in one launch (fused lists: the tails cut over the node programs,
+    # which take them whole: fewer, longer pieces; no piece may start inside a page box) - over fp8 caches where
+    # the node GEMMs are short (cost.fp8_fused_flops)
     g128 = _node_grid(node_programs, sms, FUSED_BLOCK_M)
     fixed = plan.launch_all  # (a fixed arena's plan: its tile is the batch size's, no fused lists)
     hopper = not fixed and hopper_nodes(plan)
-    fusable = hopper and bool(live.size) and cost.kv_elem_bytes == 2
-    if fusable:
-        tail_cut = cut_pieces(-(-(lens[live] - shared[live]) // bn), g128, hkv)
-        fusable = not (tail_cut[4] * bn % min(plan.block_size, 64)).any()
     # 128-row tiles in lockstep (k pieces a node segment) beat the tiles chosen for the portable kernel on every
     # plan measured with fused lists (cascade/fused.py): 256-row ones (32768/256/256) and those of 16-64 rows
     # (32768/16/512, 131072/8/1024); over fp8 caches, where every node has FP8_MIN_ROWS rows
     fp8_lockstep = hopper and cost.kv_elem_bytes == 1 and (sizes * gp >= FP8_MIN_ROWS).all()
+    flops = float((sizes * (end - start)).sum()) * group * 4 * d * hkv  # the node GEMMs, unpadded
+    fusable = bool(live.size) and (hopper and cost.kv_elem_bytes == 2
+                                   or fp8_lockstep and flops <= cost.fp8_fused_flops * g128)
+    if fusable:
+        tail_cut = cut_pieces(-(-(lens[live] - shared[live]) // bn), g128, hkv)
+        fusable = not (tail_cut[4] * bn % min(plan.block_size, 64)).any()
     k = lockstep(units, hkv * -(-sizes * gp // FUSED_BLOCK_M), g128) if fusable or fp8_lockstep else 0
     if k:
         bm = FUSED_BLOCK_M
     elif fixed:
         bm = graph_block_m(bsz, group, d)
     else:
-        flops = float((sizes * (end - start)).sum()) * group * 4 * d * hkv  # the node GEMMs, unpadded
         bm = choose_block_m(sizes * gp, end - start, gp, d, wide=flops >= cost.wide_tile_flops * (node_programs or sms))
     mpb = bm // gp
     gn = _node_grid(node_programs, sms, bm)

@@ -41,20 +41,28 @@ class CascadeCost:
     extra pieces). It is kept iff ``n >= 2`` and saving > cost; otherwise its tokens fold into its
     children. If the kept nodes save less than ``min_total_bytes`` in all, the plan falls back to
     flat decode (two fewer launches), so cascade is never slower than flat decode, planned for caches of
-    ``kv_elem_bytes`` (fp8 ones: the programs of the Hopper decode kernel). Caches of other than 2 bytes a
-    value (fp8) never get the Hopper kernel's fused lists (over them it runs the node pieces only, with
-    converter warps): their plans take its 128-row tiles only where every node fills one (cascade/fused.py).
+    ``kv_elem_bytes`` (fp8 ones: the programs of the Hopper decode kernel). Over caches of other than 2 bytes a
+    value (fp8) the plans take the Hopper kernel's 128-row tiles only where every node fills one
+    (cascade/fused.py), and its fused lists only up to ``fp8_fused_flops`` node GEMM FLOPs a node program.
     ``CascadeCost(0, 0, 0)`` keeps every shared block (tests).
 
     ``wide_tile_flops``: node GEMM FLOPs per node program from which 256-row tiles may be chosen.
     On long GEMMs they run ~1.27x faster per FLOP than 128-row tiles, but every piece writes twice
     the partial-state rows (H100, end to end: 8192/64/256 at 6.5e7 FLOPs a program 11% slower,
-    4096/256/128 at 1.3e8 even, 32768/256/256 at 1.0e9 15% faster)."""
+    4096/256/128 at 1.3e8 even, 32768/256/256 at 1.0e9 15% faster).
+
+    ``fp8_fused_flops``: over fp8 caches, the node GEMM FLOPs per node program up to which the Hopper node kernel
+    runs the tails too (fused lists). Its node side is slower so (the tails' consumer takes registers and shared
+    memory from the converter), which the tails beside it repay only where the nodes are short (H200,
+    2026-11-30: 8192/64/256 at 6.5e7 FLOPs a program 53.7 -> 47.5 us, 4096/64/128 at 3.3e7 39.6 -> 33-38,
+    4096/256/128 at 1.3e8 82.8 -> 81.5; 32768/64/32 at 2.6e8 101 -> 119, 32768/256/256 at 1.0e9 350 -> 437;
+    results/sweeps/cascade_fp8_sm90_h200.log section 6)."""
     state_passes: float = 4.0
     node_fixed_bytes: float = 512 * 1024
     min_total_bytes: float = 8 * 1024 * 1024
     kv_elem_bytes: int = 2
     wide_tile_flops: float = 2.0 ** 28
+    fp8_fused_flops: float = 2.0 ** 27
 
 
 @dataclass
