@@ -186,6 +186,25 @@ def test_softcap(softcap):
     assert_close_state(out, lse, ref_o, ref_l, q.dtype)
 
 
+@pytest.mark.parametrize("tails", ["fused", "decode"])
+def test_fp8_softcap(tails):
+    """Soft-capped scores over an fp8 cache: the node pieces on the Hopper kernel (converter warps), the tails
+    inside it ("fused") or on the Hopper decode kernel ("decode") - against fp64 on the dequantized cache."""
+    q, k, v, table, lens = groups_inputs([2048], 32, 300, 32, 8, 128, 16, torch.bfloat16)
+    k, v = make_fp8_cache(k.shape[0], 16, 8, 128, torch.float8_e4m3fn, 0.05, 0.02, device="cuda")
+    bt, sl = torch.from_numpy(table).cuda(), torch.from_numpy(lens.astype(np.int32)).cuda()
+    cplan = pb.plan_cascade(table, lens, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, device="cuda",
+                            cost=FP8_FUSED, block_table_device=bt)
+    if tails == "decode":
+        cplan.views.pop("fused_prog_ptr")
+    scales = (torch.tensor([0.05]), torch.tensor([0.02]))
+    want = "sm90+tails" if tails == "fused" else "sm90"
+    assert cascade_node_kernel_name(q, k, v, cplan, softcap=30.0, scales=scales) == want
+    out, lse = pb.cascade_decode(q, k, v, cplan, softcap=30.0, k_scale=0.05, v_scale=0.02)
+    ref = decode_reference(q.cpu(), k.cpu().float() * 0.05, v.cpu().float() * 0.02, bt.cpu(), sl.cpu(), softcap=30.0)
+    assert_close_state(out, lse, *ref, q.dtype)
+
+
 def test_fused_plan_uncovered_call_runs_portable():
     """A plan with fused lists whose call the Hopper kernel does not cover (fp32: it reads fp16/bf16
     caches): the portable node kernel and the decode kernel run it, the tails on the decode programs'
