@@ -64,9 +64,9 @@ TAIL_REGS = gl.constexpr([200, 104, 24, 24])
 # worker keeps them in registers) and takes what is left of 512 registers a thread: 112, where it spills nothing
 # (it converts K in registers as the decode kernel does, which gives its consumer 136). Then [the two node
 # warpgroups, the two loaders, the node tiles' converter warps]: loaders and converters share a warpgroup, so
-# one count for the four warps, 32, at which the converters turn F8_TAIL_CHUNK rows at a time (a whole tile needs
-# 112; with the node warpgroups under 184 they spill). The node ring's fp8 tiles land in TAIL_STAGES stages
-# (216 KB of shared memory in all).
+# one count for the four warps, 32, at which the converters turn F8_TAIL_CHUNK rows at a time (a whole tile at
+# once needs 112, which would leave the node warpgroups under 184, where they spill). The node ring's fp8 tiles
+# land in TAIL_STAGES stages (216 KB of shared memory in all).
 F8_TAIL_REGS = gl.constexpr([184, 184, 32, 32, 32])
 F8_TAIL_CHUNK = gl.constexpr(8)
 
