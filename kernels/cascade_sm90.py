@@ -48,7 +48,7 @@ from paged_backend.kernels.attend_sm90 import (ROWS, alloc_rings, attend_tiles, 
                                                mma_layout)
 from paged_backend.kernels.ring_sm90 import (CONVERT_REGS, alloc_ring, alloc_ring_of, convert_range, covered,
                                              descriptors, load_range, q_descriptor, release_tiles)
-from paged_backend.kernels.decode_sm90 import alloc_hand, consumer as tail_consumer, loader as tail_loader
+from paged_backend.kernels.decode_sm90 import alloc_smem, consumer as tail_consumer, loader as tail_loader
 from paged_backend.kernels.launch import DescriptorRelaunch, launch
 
 NODE_BLOCK_M = 128  # the plan tile the kernel takes: CONSUMERS x ROWS rows
@@ -214,14 +214,7 @@ def _cascade_node_sm90_kernel(
         rings = (((k8, k8_ready, k8_empty), (k_smem, k_ready, k_empty)),
                  ((v8, v8_ready, v8_empty), (v_smem, v_ready, v_empty)))
     if TAILS:  # the Hopper decode's consumer and loader over the program's tail pieces, on a ring of their own
-        op: gl.constexpr = gl.float16 if F8 else k_desc.dtype  # (the decode kernel's operands)
-        t_k, t_v, t_kr, t_vr, t_ke, t_ve = alloc_ring(k_desc, v_desc, BLOCK_N, TAIL_STAGES, 1)
-        t_qs, t_p, t_slots, t_qr, t_qready, t_qempty = alloc_hand(t_q, op, BLOCK_N, TAIL_STAGES, F8)
-        if F8:  # V's tiles converted for their GEMM
-            t_v16 = gl.allocate_shared_memory(op, [BLOCK_N, D], gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], op))
-        else:  # (16-bit caches: V's tiles are the operand)
-            t_v16 = t_v
-        t_smem = (t_qs, t_k, t_v, t_v16, t_p, t_kr, t_vr, t_ke, t_ve, t_slots, t_qr, t_qready, t_qempty)
+        t_smem = alloc_smem(t_q, k_desc, v_desc, BLOCK_N, TAIL_STAGES)
         # (tails write partial slots only: the output and sinks are not read)
         t_rows = (po_ptr, plse_ptr, po_ptr, plse_ptr, k_scale_ptr, v_scale_ptr, plse_ptr, sm_scale, cap, stride_pop,
                   stride_poh, stride_plp, stride_plh, stride_pop, stride_poh, stride_plp, stride_plh)

@@ -181,7 +181,23 @@ def loader(k_desc, v_desc, q_desc, bt_ptr, pieces, smem, stride_btb, stride_btn,
 
 
 @gluon.jit
-def alloc_hand(q_desc, op: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, F8: gl.constexpr):
+def alloc_smem(q_desc, k_desc, v_desc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Shared memory of :func:`loader` and :func:`consumer`: the K/V ring of ``STAGES``, V's fp16 tile over an
+    fp8 cache, and :func:`_alloc_hand`'s. -> the ``smem`` tuple both take."""
+    F8: gl.constexpr = k_desc.dtype.is_fp8()
+    op: gl.constexpr = gl.float16 if F8 else k_desc.dtype  # the GEMMs' operand dtype
+    D: gl.constexpr = k_desc.block_type.shape[1]
+    k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_ring(k_desc, v_desc, BLOCK_N, STAGES, 1)
+    if F8:
+        v16 = gl.allocate_shared_memory(op, [BLOCK_N, D], gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], op))
+    else:
+        v16 = v_smem  # (not used: V's tiles are the operand)
+    q_smem, p_smem, slots, q_ring, q_ready, q_empty = _alloc_hand(q_desc, op, BLOCK_N, STAGES, F8)
+    return q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, slots, q_ring, q_ready, q_empty
+
+
+@gluon.jit
+def _alloc_hand(q_desc, op: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, F8: gl.constexpr):
     """Shared memory of :func:`loader` and :func:`consumer` but the K/V ring: the queries' tile (``op``), P's
     tile, two query boxes as they come (the tile itself, but over ``F8`` caches, where the consumer converts
     them) and their barriers, a slot of fields a ring stage. -> (q_smem, p_smem, slots, q_ring, q_ready, q_empty)."""
@@ -217,15 +233,7 @@ def _decode_sm90_kernel(
     ends only after that one, so that the fold's wait covers both."""
     if PDL:  # the fold may launch now: it waits for this grid's writes
         gdc_launch_dependents()
-    F8: gl.constexpr = k_desc.dtype.is_fp8()
-    op: gl.constexpr = gl.float16 if F8 else k_desc.dtype  # the GEMMs' operand dtype
-    k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_ring(k_desc, v_desc, BLOCK_N, STAGES, 1)
-    if F8:
-        v16 = gl.allocate_shared_memory(op, [BLOCK_N, D], gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], op))
-    else:
-        v16 = v_smem  # (not used: V's tiles are the operand)
-    q_smem, p_smem, slots, q_ring, q_ready, q_empty = alloc_hand(q_desc, op, BLOCK_N, STAGES, F8)
-    smem = (q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, slots, q_ring, q_ready, q_empty)
+    smem = alloc_smem(q_desc, k_desc, v_desc, BLOCK_N, STAGES)
     rows = (out_ptr, lse_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sinks_ptr, sm_scale, cap, stride_ob, stride_oh,
             stride_lb, stride_lh, stride_pop, stride_poh, stride_plp, stride_plh)
     pieces = (work_ptr, prog_ptr, seq_lens_ptr, stride_sl, max_tokens)
