@@ -25,7 +25,8 @@ Over an fp8 cache, converter warps beside the loader turn its fp8 tiles into fp1
 ``CascadeCost.fp8_fused_flops``) the tails' consumer converts its own (the decode kernel's fp8 path) and takes
 registers and shared memory from the node side (``F8_TAIL_REGS``): H200, 2026-11-30, against the tails on the
 decode kernel after the node kernel, 8192/64/256 53.7 -> 47.5 us, 4096/64/128 39.6 -> 33-38, but 32768/64/32
-101 -> 119 (``benchmarks/results/sweeps/cascade_fp8_sm90_h200.log`` section 6). Other fp8 plans' tails run on the
+101 -> 119 (``benchmarks/results/sweeps/cascade_fp8_sm90_h200.log`` section 6; 98 once the converter loaded a
+chunk ahead, section 9). Other fp8 plans' tails run on the
 Hopper decode kernel, launched beside this one with PDL (kernels/cascade.py ``tails_sm90_view``), which finds no
 room on its SMs until it ends.
 

@@ -114,12 +114,19 @@ def copy_tile(src, dst, n0, hi, ZERO: gl.constexpr, CHUNK: gl.constexpr = 0):
     layout: gl.constexpr = _tile_rows(src.shape[1], src.dtype.primitive_bitwidth // 8, gl.num_warps())
     KEYS: gl.constexpr = src.shape[0]
     STEP: gl.constexpr = CHUNK if CHUNK else KEYS
+    # Each chunk's store waits at a barrier for the one before (the compiler sees one buffer written twice), so
+    # the next chunk is loaded before this one is stored: its load's latency is spent beside that wait.
+    x = src.slice(0, STEP).load(layout)
     for r in gl.static_range(0, KEYS, STEP):
-        x = src.slice(r, STEP).load(layout).to(dst.dtype)
+        if r + STEP < KEYS:
+            nxt = src.slice(r + STEP, STEP).load(layout)
+        y = x.to(dst.dtype)
         if ZERO:
             keys = n0 + r + gl.arange(0, STEP, layout=gl.SliceLayout(1, layout))
-            x = gl.where(keys[:, None] < hi, x, gl.zeros_like(x))
-        dst.slice(r, STEP).store(x)
+            y = gl.where(keys[:, None] < hi, y, gl.zeros_like(y))
+        dst.slice(r, STEP).store(y)
+        if r + STEP < KEYS:
+            x = nxt
     fence_async_shared()
 
 

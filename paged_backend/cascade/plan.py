@@ -56,7 +56,9 @@ class CascadeCost:
     memory from the converter), which the tails beside it repay only where the nodes are short (H200,
     2026-11-30: 8192/64/256 at 6.5e7 FLOPs a program 53.7 -> 47.5 us, 4096/64/128 at 3.3e7 39.6 -> 33-38,
     4096/256/128 at 1.3e8 82.8 -> 81.5; 32768/64/32 at 2.6e8 101 -> 119, 32768/256/256 at 1.0e9 350 -> 437;
-    results/sweeps/cascade_fp8_sm90_h200.log section 6)."""
+    results/sweeps/cascade_fp8_sm90_h200.log section 6). Since the converter loads a chunk ahead, those two fused
+    take 98 and 361 us (section 9, against ~98-103 and ~351 nodes-only in earlier runs): the bound stands until
+    the two run in one A/B."""
     state_passes: float = 4.0
     node_fixed_bytes: float = 512 * 1024
     min_total_bytes: float = 8 * 1024 * 1024
