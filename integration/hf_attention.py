@@ -19,9 +19,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from paged_backend.kernels.decode import cache_rows_torch, decode_chunk_torch, decode_chunks_torch
+from paged_backend.kernels.decode_torch import cache_rows_torch, decode_chunk_torch, decode_chunks_torch
 from paged_backend.kernels.dispatch import use_triton
-from paged_backend.kernels.prefill import prefill_chunk_torch, prefill_chunks_torch
+from paged_backend.kernels.prefill_torch import prefill_chunk_torch, prefill_chunks_torch
 
 ATTN_IMPLEMENTATION = "paged_backend"
 

@@ -10,7 +10,8 @@ from paged_backend.kernels.checks import (FLOAT_DTYPES, FP8_DTYPES, HEAD_DIMS, c
                             check_plan_window, check_scale, check_shape, check_sinks, check_softcap, check_tensor,
                             check_window, debug_enabled)
 from paged_backend.decode_plan import check_plan_covers
-from paged_backend.kernels.decode import decode_torch, decode_triton
+from paged_backend.kernels.decode import decode_triton
+from paged_backend.kernels.decode_torch import decode_torch
 from paged_backend.kernels.dispatch import use_triton
 from paged_backend.decode_plan import DecodePlan, plan_decode
 

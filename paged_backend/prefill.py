@@ -6,7 +6,8 @@ import torch
 from paged_backend.kernels.checks import (check_attention_inputs, check_block_table, check_sinks, check_softcap,
                                          check_kv_scales, check_tensor, check_window, debug_enabled)
 from paged_backend.kernels.dispatch import use_sm90, use_triton
-from paged_backend.kernels.prefill import prefill_torch, prefill_triton
+from paged_backend.kernels.prefill import prefill_triton
+from paged_backend.kernels.prefill_torch import prefill_torch
 
 
 def check_query_start_loc(query_start_loc, num_tokens: int, batch: int, device, query_start_loc_host=None,

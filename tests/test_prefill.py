@@ -11,7 +11,7 @@ import torch
 
 import paged_backend as pb
 from paged_backend.kernels.dispatch import INTERPRET
-from paged_backend.kernels.prefill import prefill_torch
+from paged_backend.kernels.prefill_torch import prefill_torch
 from tests.paged_inputs import make_block_table, make_cache
 from tests.reference import assert_close_state, decode_reference, prefill_reference
 
