@@ -5,7 +5,7 @@
 #  2. tests marked `kernel` again with TRITON_INTERPRET=1, so the Triton kernels run on the CPU.
 # Two tiers (tests/conftest.py marks tier 2 `exhaustive`; each case is in exactly one tier):
 #   bash tests/run_cpu.sh               tier 1, the README's command: every op, path and integration
-#                                       once (~4 min on 2 idle cores: CI, 2026-11-29)
+#                                       once (~5.5 min on 2 idle cores, 2026-11-30)
 #   bash tests/run_cpu.sh --exhaustive  tier 2: the rest of the matrices (.ci/run runs it after tier 1)
 #   bash tests/run_cpu.sh --all         both tiers in one go
 # Other arguments go to both pytest runs (e.g. -x -k decode).
