@@ -53,18 +53,17 @@ class CascadeCost:
 
     ``fp8_fused_flops``: over fp8 caches, the node GEMM FLOPs per node program up to which the Hopper node kernel
     runs the tails too (fused lists). Its node side is slower so (the tails' consumer takes registers and shared
-    memory from the converter), which the tails beside it repay only where the nodes are short (H200,
-    2026-11-30: 8192/64/256 at 6.5e7 FLOPs a program 53.7 -> 47.5 us, 4096/64/128 at 3.3e7 39.6 -> 33-38,
-    4096/256/128 at 1.3e8 82.8 -> 81.5; 32768/64/32 at 2.6e8 101 -> 119, 32768/256/256 at 1.0e9 350 -> 437;
-    results/sweeps/cascade_fp8_sm90_h200.log section 6). Since the converter loads a chunk ahead, those two fused
-    take 98 and 361 us (section 9, against ~98-103 and ~351 nodes-only in earlier runs): the bound stands until
-    the two run in one A/B."""
+    memory from the converter), which the tails beside it repay up to a few 1e8 FLOPs a program (H200,
+    2026-12-01, one call, three rounds, fused against nodes-only + tails on the decode kernel: 8192/64/256 at 6.5e7
+    45.2-46.4 vs 53.6-53.7 us, 4096/256/128 at 1.3e8 81.6-81.9 vs 82.4-84.1, 32768/64/32 at 2.6e8 98.5-99.0 vs
+    98.2-102.0, 32768/256/256 at 1.0e9 359.7-361.1 vs 349.9-351.6; results/sweeps/cascade_fp8_sm90_h200.log
+    section 10): 2^29 lies between the last two."""
     state_passes: float = 4.0
     node_fixed_bytes: float = 512 * 1024
     min_total_bytes: float = 8 * 1024 * 1024
     kv_elem_bytes: int = 2
     wide_tile_flops: float = 2.0 ** 28
-    fp8_fused_flops: float = 2.0 ** 27
+    fp8_fused_flops: float = 2.0 ** 29
 
 
 @dataclass
