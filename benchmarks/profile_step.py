@@ -6,7 +6,9 @@
 
 Cases (models and LLM keyword arguments from benchmarks/bench_e2e.py, random weights, bf16):
 ``smol_flat`` SmolLM2-135M shape, every decode flat in CUDA graphs (``LLM(cascade=False)``);
-``smol_auto`` the same model as the engine comes (cascade allowed, PathChoice picks); ``smol_cascade``
+``smol_auto`` the same model as the engine comes (cascade allowed, PathChoice picks: under the profiler its
+timed cascade steps are host-bound, and some of the profiled run's steps go flat - the kinds each line shows,
+results/sweeps/engine_step_ends_h200.log section 6); ``smol_cascade``
 every shared decode step a cascade (in CUDA graphs);
 ``llama8b_auto`` Llama-3-8B shape cut to 16 layers, as the engine comes.
 
@@ -174,13 +176,14 @@ def summarize_run(tag, st, n, new, idx=None):
     log = st.step_log
     dec = decode_idx(log)
     sel = dec if idx is None else dec & set(idx)
-    kinds = {}
-    for i in sorted(dec):
+    kinds = {}  # the paths the selected steps took (cascade, graph = flat in a CUDA graph, ...)
+    for i in sorted(sel):
         kinds[log[i]["kind"]] = kinds.get(log[i]["kind"], 0) + 1
     tok_s = n * (new - 1) / st.decode_time if st.decode_time else float("nan")
     head = (f"decode {tok_s:,.0f} tok/s ({len(dec)} decode steps {kinds}, prefill {st.prefill_time * 1e3:.1f} ms,"
             f" wall {st.wall_time:.3f} s); " if idx is None else "")
-    say(f"  {tag}: {head}median over {len(sel)} steps: total {med_ms(log, 'total_s', sel):.3f} ms,"
+    say(f"  {tag}: {head}median over {len(sel)} steps{'' if idx is None else f' {kinds}'}: "
+        f"total {med_ms(log, 'total_s', sel):.3f} ms,"
         f" host {med_ms(log, 'host_s', sel):.3f} ms, gpu {med_ms(log, 'gpu_s', sel):.3f} ms,"
         f" attend {med_ms(log, 'attend_s', sel):.3f} ms")
     return dict(decode_tok_s=tok_s, kinds=kinds, step_ms=med_ms(log, "total_s", sel),
