@@ -12,12 +12,15 @@ Also times ``plan_cascade`` on 1024 requests x 2K blocks (host, target < 1 ms), 
 forest of the previous step reused (``forest=``), and with it restricted to the requests left after
 32 finished (``forest_rows=``).
 ``--node-programs 66,264`` also times ours with those node grids (plan_cascade's ``node_programs``);
-``--node-tiles 128x2`` with the Hopper node kernel's K/V tiles of 128 keys in 2 stages (``NODE_TILE``).
+``--node-tiles 128x2`` with the Hopper node kernel's K/V tiles of 128 keys in 2 stages (``NODE_TILE``);
+``--fp8-fused-flops inf,0`` with plans of those ``CascadeCost.fp8_fused_flops`` (with ``--kv-dtype fp8``: inf
+gives every plan that can take them fused lists, 0 none - the fused-or-not A/B in one process).
 Failures (ours or a peer) are recorded, never fatal.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -126,9 +129,11 @@ def ours_flat(case, device, dtype):
     return fns, fns[0]
 
 
-def ours_cascade(case, device, dtype, node_programs=None):
+def ours_cascade(case, device, dtype, node_programs=None, fp8_fused_flops=None):
     bt_dev = torch.from_numpy(case["table"]).to(device)
     cost = CascadeCost(kv_elem_bytes=case["kv_dtype"].itemsize)  # as the engine plans (fp8: 1-byte reads)
+    if fp8_fused_flops is not None:
+        cost = dataclasses.replace(cost, fp8_fused_flops=fp8_fused_flops)
     cplan = pb.plan_cascade(case["table"], case["lens"], num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
                             block_size=BS, device=device, block_table_device=bt_dev, node_programs=node_programs,
                             cost=cost)
@@ -189,6 +194,8 @@ def main():
                                            "(plan_cascade's node_programs: a sweep; rows ours_cascade@N in the JSON)")
     p.add_argument("--node-tiles", help="comma-separated KEYSxSTAGES of the Hopper node kernel's K/V tiles to time ours "
                                         "with besides the default (a sweep; rows ours_cascade#KEYSxSTAGES)")
+    p.add_argument("--fp8-fused-flops", help="comma-separated CascadeCost.fp8_fused_flops bounds (inf allowed) to "
+                                             "time ours with besides the default (rows ours_cascade~BOUND)")
     p.add_argument("--out", help="results JSON; default benchmarks/results/<gpu>.json, none with --quick")
     p.add_argument("--md", help="markdown; default benchmarks/results/<gpu>.md, none with --quick")
     a = p.parse_args()
@@ -203,6 +210,7 @@ def main():
     impls = a.impls.split(",") if a.impls else list(IMPLS)
     impls += [f"ours_cascade@{int(n)}" for n in a.node_programs.split(",")] if a.node_programs else []
     impls += [f"ours_cascade#{t}" for t in a.node_tiles.split(",")] if a.node_tiles else []
+    impls += [f"ours_cascade~{float(b):g}" for b in a.fp8_fused_flops.split(",")] if a.fp8_fused_flops else []
     if a.node_tiles:
         from paged_backend.kernels import cascade_sm90
         default_tile = cascade_sm90.NODE_TILE
@@ -238,9 +246,13 @@ def main():
                     continue
                 name_, _, grid = impl.partition("@")
                 name_, _, tile = name_.partition("#")
+                name_, _, bound = name_.partition("~")
                 if a.node_tiles:
                     cascade_sm90.NODE_TILE = tuple(map(int, tile.split("x"))) if tile else default_tile
-                fns, result = IMPLS[name_](case, device, dtype, **({"node_programs": int(grid)} if grid else {}))
+                kw = {"node_programs": int(grid)} if grid else {}
+                if bound:
+                    kw["fp8_fused_flops"] = float(bound)
+                fns, result = IMPLS[name_](case, device, dtype, **kw)
                 entry = {}
                 if result is not None:
                     o, lse = result()
@@ -282,7 +294,7 @@ def main():
                      *(f"{res[k]:.2f}x" if k in res else "-" for k in
                        ("speedup_vs_ours_flat", "speedup_vs_fi_cascade", "speedup_vs_fi_flat"))])
         print(rows[-1])
-        for impl in (i for i in impls if "@" in i or "#" in i):  # the node-grid and tile sweeps
+        for impl in (i for i in impls if "@" in i or "#" in i or "~" in i):  # the node-grid, tile and bound sweeps
             print(f"  {impl}: {cell(impl)}, {res.get(impl, {}).get('node_pieces')} node pieces")
     table = C.md_table(["prefix/n/suffix", "ours cascade", "ours flat", "FI cascade", "FI flat",
                         "vs ours flat", "vs FI cascade", "vs FI flat"], rows)

@@ -57,7 +57,8 @@ class CascadeCost:
     2026-12-01, one call, three rounds, fused against nodes-only + tails on the decode kernel: 8192/64/256 at 6.5e7
     45.2-46.4 vs 53.6-53.7 us, 4096/256/128 at 1.3e8 81.6-81.9 vs 82.4-84.1, 32768/64/32 at 2.6e8 98.5-99.0 vs
     98.2-102.0, 32768/256/256 at 1.0e9 359.7-361.1 vs 349.9-351.6; results/sweeps/cascade_fp8_sm90_h200.log
-    section 10): 2^29 lies between the last two."""
+    section 10): 2^29 lies between the last two. ``bench_cascade.py --kv-dtype fp8 --fp8-fused-flops inf,0`` times
+    both sides in one process."""
     state_passes: float = 4.0
     node_fixed_bytes: float = 512 * 1024
     min_total_bytes: float = 8 * 1024 * 1024
