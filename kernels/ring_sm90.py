@@ -101,19 +101,30 @@ def release_tiles(k_ready, v_ready, k_empty, v_empty, it, n_tiles, STAGES: gl.co
 
 
 @gluon.constexpr_function
-def _tile_rows(d, nbytes, warps=4):
-    """Rows of ``d`` values of ``nbytes`` bytes, 16 bytes a thread, over ``warps`` warps (one warpgroup)."""
-    return gl.BlockedLayout([1, 16 // nbytes], [32 // (d * nbytes // 16), d * nbytes // 16], [warps, 1], [1, 0])
+def _tile_rows(rows, d, nbytes, warps, down):
+    """``rows`` rows of ``d`` values of ``nbytes`` bytes, 16 bytes a thread, over ``warps`` warps; ``down``, for
+    rows of 128 fp8 values: the threads go down the rows first. Eight threads along one such row (a phase of a
+    16-byte access) write the same four 16-byte columns of both 128-byte swizzle spans of its 256-byte 16-bit
+    row: 2-way bank conflicts (ncu of the fp8 decode, H200: its V conversion's stores took 8 wavefronts for 4).
+    Eight rows of one column hit eight bank groups of either tile, whose swizzle moves the column by the row."""
+    if not down or nbytes != 1 or d != 128:
+        return gl.BlockedLayout([1, 16 // nbytes], [32 // (d * nbytes // 16), d * nbytes // 16], [warps, 1], [1, 0])
+    rest = [[8 << i, 0] for i in range((rows // 8).bit_length() - 1)] + [[0, 64]]  # what the lanes do not cover
+    nw = warps.bit_length() - 1
+    return gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8]] + rest[nw:],
+                                      [[1, 0], [2, 0], [4, 0], [0, 16], [0, 32]], (rest + [[0, 0]] * nw)[:nw], [],
+                                      [rows, d])
 
 
 @gluon.jit
-def copy_tile(src, dst, n0, hi, ZERO: gl.constexpr, CHUNK: gl.constexpr = 0):
+def copy_tile(src, dst, n0, hi, ZERO: gl.constexpr, CHUNK: gl.constexpr = 0, DOWN: gl.constexpr = False):
     """A K/V tile ``src [BLOCK_N, D]`` of keys ``n0 ..`` -> ``dst`` in its dtype (fp8 -> 16-bit, exact; or in
     place), ``CHUNK`` rows at a time (0: all at once; fewer registers, more round trips); ``ZERO``: keys at or
-    past ``hi`` become zeros (the last page's slots past a sequence may hold anything, NaN x 0 is NaN)."""
-    layout: gl.constexpr = _tile_rows(src.shape[1], src.dtype.primitive_bitwidth // 8, gl.num_warps())
+    past ``hi`` become zeros (the last page's slots past a sequence may hold anything, NaN x 0 is NaN);
+    ``DOWN``: the threads down the rows first (:func:`_tile_rows`)."""
     KEYS: gl.constexpr = src.shape[0]
     STEP: gl.constexpr = CHUNK if CHUNK else KEYS
+    layout: gl.constexpr = _tile_rows(STEP, src.shape[1], src.dtype.primitive_bitwidth // 8, gl.num_warps(), DOWN)
     # Each chunk's store waits at a barrier for the one before (the compiler sees one buffer written twice), so
     # the next chunk is loaded before this one is stored: its load's latency is spent beside that wait.
     x = src.slice(0, STEP).load(layout)
@@ -141,12 +152,16 @@ def _stage(ring, t):
 def convert_tile(src, dst, t, CHUNK: gl.constexpr):
     """Ring tile ``t`` of an fp8 ring -> the 16-bit ring (``src``, ``dst``: (tiles, ready, empty), each with its
     own stages), ``CHUNK`` rows at a time (the whole tile: 0), once it has landed and its 16-bit stage is free;
-    published to the consumers, and its fp8 stage released to the loader."""
+    published to the consumers, and its fp8 stage released to the loader.
+    Whole tiles go down the rows (``copy_tile``'s ``DOWN``, conflict-free stores): the prefill over fp8 1.08-1.10x
+    (H200, same-call A/B, sweeps/prefill_fp8_sm90_h200.log section 4). Not in 8-row chunks, the fused node kernel's
+    converters at 32 registers (its tails' consumer spilled 4-8 bytes with the decode's V copies so, not measured
+    alone), nor in the Hopper decode's V copies (1-2.4% slower there)."""
     s8, phase8 = _stage(src, t)
     s, phase = _stage(dst, t)
     mbarrier.wait(src[1].index(s8), phase8)
     mbarrier.wait(dst[2].index(s), phase ^ 1)
-    copy_tile(src[0].index(s8), dst[0].index(s), 0, 0, False, CHUNK)
+    copy_tile(src[0].index(s8), dst[0].index(s), 0, 0, False, CHUNK, CHUNK == 0)
     gl.thread_barrier()  # every warp's stores (and their fence) before the arrival
     mbarrier.arrive(dst[1].index(s), count=1)
     mbarrier.arrive(src[2].index(s8), count=1)

@@ -282,3 +282,39 @@ def test_gluon_kernels_compile_for_sm90_without_spills(sm90_compiled, case):
         assert shared <= SM90_SHARED_BYTES, (name, shared)
         assert divergent == 0, (name, f"{divergent} BRA.DIV: a value ptxas cannot prove warp-uniform")
         assert "serialized" not in info, (name, info)
+
+
+def _coords(bases, index):
+    """A linear layout's coordinate of ``index`` over ``bases`` (XOR of the bases of its set bits)."""
+    row = col = 0
+    for bit, (r, c) in enumerate(bases):
+        if index >> bit & 1:
+            row, col = row ^ r, col ^ c
+    return row, col
+
+
+def _bank_group(row, byte, row_bytes=128):
+    """The 16-byte bank group (of 8) of ``byte`` in ``row`` of an NVMMA tile with 128-byte swizzle: rows wider than
+    128 bytes are spans of 128 bytes (whole multiples of 128 bytes apart), and a span's 16-byte column moves by the
+    row."""
+    return (byte % row_bytes // 16) ^ row % 8
+
+
+@pytest.mark.parametrize("rows, warps", [(64, 4), (64, 2), (8, 2)])
+def test_fp8_tile_copy_down_the_rows_has_no_bank_conflicts(rows, warps):
+    """``ring_sm90._tile_rows(..., down=True)`` over fp8 rows of 128 values: a bijection of the tile whose 16-byte
+    accesses, eight threads a phase, read eight bank groups of the fp8 tile and write eight of the fp16 one (two
+    16-byte stores a thread); threads along a row (the other layout) wrote 2 to each of 4 (ncu, H200)."""
+    if triton_release() not in SM90_TRITON:
+        pytest.skip(f"Gluon's layouts are checked on Triton {', '.join(SM90_TRITON)} (bash tests/compile_sm90.sh)")
+    from paged_backend.kernels.ring_sm90 import _tile_rows
+    lay = _tile_rows(rows, 128, 1, warps, True)
+    bases = lay.reg_bases + lay.lane_bases + lay.warp_bases
+    assert sorted(_coords(bases, i) for i in range(rows * 128)) == [(r, c) for r in range(rows) for c in range(128)]
+    regs, lanes = len(lay.reg_bases), len(lay.lane_bases)
+    for warp in range(warps):
+        for phase in range(4):
+            firsts = [_coords(bases, ((warp << lanes | phase * 8 + t) << regs)) for t in range(8)]
+            assert sorted(_bank_group(r, c) for r, c in firsts) == list(range(8))  # fp8 loads
+            for half in (0, 8):  # fp16 stores: each thread's 16 values as two 16-byte stores
+                assert sorted(_bank_group(r, 2 * (c + half)) for r, c in firsts) == list(range(8))
