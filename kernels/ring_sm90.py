@@ -112,8 +112,7 @@ def _tile_rows(rows, d, nbytes, warps, down):
     rest = [[8 << i, 0] for i in range((rows // 8).bit_length() - 1)] + [[0, 64]]  # what the lanes do not cover
     nw = warps.bit_length() - 1
     return gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [0, 8]] + rest[nw:],
-                                      [[1, 0], [2, 0], [4, 0], [0, 16], [0, 32]], (rest + [[0, 0]] * nw)[:nw], [],
-                                      [rows, d])
+                                      [[1, 0], [2, 0], [4, 0], [0, 16], [0, 32]], rest[:nw], [], [rows, d])
 
 
 @gluon.jit

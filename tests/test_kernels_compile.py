@@ -141,16 +141,22 @@ class _Sm90Driver:
 SM90_SHARED_BYTES = 227 * 1024  # the most shared memory a program may opt into on sm_90
 
 
-@pytest.fixture
-def sm90_compiled(monkeypatch):
-    """Every Triton/Gluon launch in the test compiled for sm_90a, not run -> the list of (kernel name,
-    ptxas's resource line, shared memory bytes, divergent branches) it fills."""
+def require_sm90_triton():
+    """Skips (fails under ``PAGED_BACKEND_REQUIRE_SM90_COMPILE=1``) unless this is the Triton the Gluon kernels
+    are checked on."""
     if triton_release() not in SM90_TRITON:
         why = (f"the Gluon kernels are checked on Triton {', '.join(SM90_TRITON)}, this is {triton.__version__} "
                "(bash tests/compile_sm90.sh runs these with one)")
         if os.environ.get("PAGED_BACKEND_REQUIRE_SM90_COMPILE") == "1":
             pytest.fail(why)
         pytest.skip(why)
+
+
+@pytest.fixture
+def sm90_compiled(monkeypatch):
+    """Every Triton/Gluon launch in the test compiled for sm_90a, not run -> the list of (kernel name,
+    ptxas's resource line, shared memory bytes, divergent branches) it fills."""
+    require_sm90_triton()
     from triton.runtime import driver
     from paged_backend.cascade import fused, partition
     out, run = [], JITFunction.run
@@ -305,8 +311,7 @@ def test_fp8_tile_copy_down_the_rows_has_no_bank_conflicts(rows, warps):
     """``ring_sm90._tile_rows(..., down=True)`` over fp8 rows of 128 values: a bijection of the tile whose 16-byte
     accesses, eight threads a phase, read eight bank groups of the fp8 tile and write eight of the fp16 one (two
     16-byte stores a thread); threads along a row (the other layout) wrote 2 to each of 4 (ncu, H200)."""
-    if triton_release() not in SM90_TRITON:
-        pytest.skip(f"Gluon's layouts are checked on Triton {', '.join(SM90_TRITON)} (bash tests/compile_sm90.sh)")
+    require_sm90_triton()
     from paged_backend.kernels.ring_sm90 import _tile_rows
     lay = _tile_rows(rows, 128, 1, warps, True)
     bases = lay.reg_bases + lay.lane_bases + lay.warp_bases
