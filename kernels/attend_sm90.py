@@ -176,8 +176,55 @@ def fp16_tile(q_tile):
     return q16
 
 
+@gluon.constexpr_function
+def _v8_layout(n, d):
+    """An fp8 V tile ``[n keys, d]`` as its registers come to be wgmma's A (V^T, :func:`attend_swapped`):
+    a thread reads 2 (d 64) or 4 (d 128) contiguous head-dim bytes of each of its 16 keys, lanes taking keys
+    as the A layout has them (no bank conflicts: tests/test_kernels_compile.py). The head dims' order in it is
+    :func:`v_rows`'s."""
+    nb = d // 64
+    reg = [[0, 1 << i] for i in range(nb)] + [[1, 0], [8, 0], [16, 0], [32, 0]]
+    lane = [[2, 0], [4, 0]] + [[0, (2 * nb) << i] for i in range(3)]
+    warp = [[0, 16 * nb], [0, 32 * nb]]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [n, d])
+
+
+@gluon.constexpr_function
+def _v_relabel(d, n):
+    """(shape, order) of the reshape and permute that relabel V^T ``[d, n]`` loaded in :func:`_v8_layout` into
+    wgmma's A rows (row ``r`` of the result is head dim :func:`v_rows` ``(r)``)."""
+    if d == 128:
+        return (2, ) * 7 + (n, ), (5, 0, 1, 6, 2, 3, 4, 7)
+    return (2, ) * 6 + (n, ), (0, 1, 5, 2, 3, 4, 6)
+
+
 @gluon.jit
-def attend_swapped(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles, n_full, n0,
+def _v8_operand(v_tile, n0, hi, masked, a_layout: gl.constexpr):
+    """An fp8 V tile ``[BLOCK_N, D]`` of keys ``n0 ..`` -> V^T ``[D, BLOCK_N]`` fp16 in wgmma's A layout, keys
+    from ``hi`` on zeroed when ``masked``, its rows the head dims in :func:`v_rows`'s order: wgmma's
+    row ``g + 8h + 16w (+ 64b)`` of thread (warp w, lane g) relabelled (:func:`_v_relabel`) so that a
+    thread's rows are contiguous bytes of V (:func:`_v8_layout`) - a register-only relabel, checked."""
+    BLOCK_N: gl.constexpr = v_tile.shape[0]
+    D: gl.constexpr = v_tile.shape[1]
+    layout: gl.constexpr = _v8_layout(BLOCK_N, D)
+    v = v_tile.load(layout).to(gl.float16)  # [BLOCK_N, D], e4m3 -> fp16 exactly
+    if masked:
+        keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        v = gl.where(keys[:, None] < hi, v, gl.zeros_like(v))
+    RELABEL: gl.constexpr = _v_relabel(D, BLOCK_N)
+    vt = gl.permute(gl.reshape(gl.permute(v, (1, 0)), RELABEL[0]), RELABEL[1])  # [2, .., 2, BLOCK_N]
+    return gl.convert_layout(gl.reshape(vt, [D, BLOCK_N]), a_layout, assert_trivial=True)
+
+
+@gluon.jit
+def v_rows(r, D: gl.constexpr):
+    """The head dim of row ``r`` of :func:`_v8_operand` (and so of the output over an fp8 cache)."""
+    NB: gl.constexpr = D // 64
+    return ((r >> 3) & 1) + 2 * ((r >> 6) & 1) + 2 * NB * (r & 7) + 16 * NB * ((r >> 4) & 3)
+
+
+@gluon.jit
+def attend_swapped(q_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_empty, v_empty, it, n_tiles, n_full, n0,
                    hi, qk_scale, cap, D: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    SOFTCAP: gl.constexpr):
     """Decode-shaped attention, "swapped" (kernels/decode_sm90.py): the warpgroup's ``NQ`` query heads
@@ -186,8 +233,9 @@ def attend_swapped(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empt
     masked at ``hi``; the warpgroup releases each stage it reads (one arrival). ``SOFTCAP``: the scores
     soft-capped first (:func:`soft_cap`, ``cap = softcap * log2(e)``).
     -> (acc [D, NQ] fp32, m [NQ], l [NQ]) in the exp2 domain.
-    An fp8 cache's K is converted in registers and its V into ``v16``; a 16-bit cache's tiles are
-    the GEMMs' operands as they are (a masked tile's V rows past ``hi`` zeroed in place)."""
+    An fp8 cache's K and V are converted in registers, V^T's rows the head dims in :func:`v_rows`'s order
+    (so acc's too); a 16-bit cache's tiles are the GEMMs' operands as they are (a masked tile's V rows
+    past ``hi`` zeroed in place)."""
     F8: gl.constexpr = k_smem.dtype.is_fp8()
     s_layout: gl.constexpr = swapped_layout(NQ)
     m_i = gl.full([NQ], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
@@ -208,20 +256,17 @@ def attend_swapped(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empt
             mbarrier.arrive(k_empty.index(s), count=1)
         else:
             s_tok = warpgroup_mma(k_smem.index(s), q_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(s), phase)  # V's conversion runs beside the scores' GEMM
-        if F8:
-            v_tile = v16
-            if masked:
-                copy_tile(v_smem.index(s), v16, n0 + j * BLOCK_N, hi, True)
-            else:
-                copy_tile(v_smem.index(s), v16, n0, hi, False)
-            mbarrier.arrive(v_empty.index(s), count=1)
-        else:
+        mbarrier.wait(v_ready.index(s), phase)
+        if not F8:
             v_tile = v_smem.index(s)
-            if masked:
+            if masked:  # (beside the scores' GEMM)
                 copy_tile(v_tile, v_tile, n0 + j * BLOCK_N, hi, True)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-        if not F8:
+        if F8:
+            # V^T as wgmma's A from registers, like K (no fp16 tile in shared memory, no copy, fence or barrier);
+            # loaded after the scores' wait: before it K's registers are still in flight and the loads spill
+            vt = _v8_operand(v_smem.index(s), n0 + j * BLOCK_N, hi, masked, a_layout)
+        else:
             mbarrier.arrive(k_empty.index(s), count=1)
         sc, scale = soft_cap(sc, qk_scale, cap, SOFTCAP)
         if masked:
@@ -235,9 +280,11 @@ def attend_swapped(q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empt
         m_i = m_new
         p_smem.store(gl.permute(p.to(p_smem.dtype), (1, 0)))
         fence_async_shared()
-        acc = warpgroup_mma(v_tile.permute((1, 0)), p_smem.permute((1, 0)), acc * alpha[None, :])
-        if not F8:
-            mbarrier.arrive(v_empty.index(s), count=1)
+        if F8:
+            acc = warpgroup_mma(vt, p_smem.permute((1, 0)), acc * alpha[None, :])
+        else:
+            acc = warpgroup_mma(v_tile.permute((1, 0)), p_smem.permute((1, 0)), acc * alpha[None, :])
+        mbarrier.arrive(v_empty.index(s), count=1)
     return acc, m_i, gl.sum(l_acc, 0)
 
 

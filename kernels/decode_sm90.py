@@ -16,8 +16,9 @@ Here a loader warp streams K/V tiles of ``BLOCK_N`` keys, one TMA box per page (
   K goes from its tile straight into wgmma's A registers (its rows run along D, as A's do), converted
   there (fp8 -> fp16 is exact; one conversion per two values); a 16-bit K tile is A as it is;
 - ``O^T [D, NQ] += V^T [D, BLOCK_N] @ P^T [BLOCK_N, NQ]``: V's tile read transposed (as 16-bit
-  operands may be); an fp8 V converted into an fp16 tile first (16 bytes a thread a load), while the
-  scores' GEMM runs; P^T through a small shared tile.
+  operands may be); an fp8 V^T goes into wgmma's A registers like K, each thread reading 4-8
+  contiguous head-dim bytes a key, the head dims relabelled in registers into A's rows
+  (``attend_sm90.v_rows``: the output stored at their heads); P^T through a small shared tile.
 
 The softmax runs down the columns of ``S^T`` (a maximum across the warpgroup's warps per tile); the
 row sums are kept per element and reduced once at the piece's end. Over fp8, queries are fp16 as the
@@ -50,7 +51,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from paged_backend.kernels.attend import LOG2E
 from paged_backend.kernels.attend_sm90 import (attend_swapped, finish_swapped, fp16_operand, io_layout, sink_scale,
-                                               swapped_layout)
+                                               swapped_layout, v_rows)
 from paged_backend.kernels.ring_sm90 import (FIELDS, alloc_ring, descriptors, hand, hand_end, handed, load_q,
                                              load_range, q_descriptor)
 from paged_backend.kernels.ring_sm90 import covered as covered_sm90  # (this module's covered adds the plan's terms)
@@ -95,7 +96,7 @@ def consumer(rows, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr,
     away (H200 A/B of ours: 4096/256/128's cascade 67.1 -> 62.7 us in graphs; sweeps/decode_q_handoff_h200.log)."""
     (out_ptr, lse_ptr, po_ptr, plse_ptr, ks_ptr, vs_ptr, sinks_ptr, sm_scale, cap, stride_ob, stride_oh, stride_lb,
      stride_lh, stride_pop, stride_poh, stride_plp, stride_plh) = rows
-    q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, slots, q_ring, q_ready, q_empty = smem
+    q_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_empty, v_empty, slots, q_ring, q_ready, q_empty = smem
     s_layout: gl.constexpr = swapped_layout(NQ)
     F8: gl.constexpr = k_smem.dtype.is_fp8()
     qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
@@ -105,6 +106,8 @@ def consumer(rows, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr,
         v_scale = gl.load(vs_ptr)
     h = gl.arange(0, NQ, layout=gl.SliceLayout(0, s_layout))
     d = gl.arange(0, D, layout=gl.SliceLayout(1, s_layout))
+    if F8:
+        d = v_rows(d, D)
     ok = h < GROUP
     it = gl.to_tensor(0)
     n = gl.to_tensor(0)  # pieces so far (Q buffer n % 2)
@@ -122,7 +125,7 @@ def consumer(rows, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr,
             mbarrier.arrive(q_empty.index(n % 2), count=1)
         else:
             q_tile = q_ring.index(n % 2)
-        acc, m_i, l_i = attend_swapped(q_tile, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, it,
+        acc, m_i, l_i = attend_swapped(q_tile, k_smem, v_smem, p_smem, k_ready, v_ready, k_empty, v_empty, it,
                                        n_tiles, (end - start) // BLOCK_N, start, end, qk_scale, cap, D, NQ, BLOCK_N,
                                        STAGES, SOFTCAP)
         if not F8:
@@ -163,7 +166,7 @@ def loader(k_desc, v_desc, q_desc, bt_ptr, pieces, smem, stride_btb, stride_btn,
     """One warp: every piece of this program, in order - its fields to the consumer, its queries (``q_desc``:
     ``[1, NQ, D]`` boxes, the rows past the group its neighbours' or zeros, never stored) and its K/V tiles."""
     k_smem, v_smem = smem[1], smem[2]
-    k_ready, v_ready, k_empty, v_empty, slots, q_ring, q_ready, q_empty = smem[5:]
+    k_ready, v_ready, k_empty, v_empty, slots, q_ring, q_ready, q_empty = smem[4:]
     prog_ptr = pieces[1]
     g = gl.program_id(0)
     it = gl.to_tensor(0)
@@ -182,18 +185,13 @@ def loader(k_desc, v_desc, q_desc, bt_ptr, pieces, smem, stride_btb, stride_btn,
 
 @gluon.jit
 def alloc_smem(q_desc, k_desc, v_desc, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Shared memory of :func:`loader` and :func:`consumer`: the K/V ring of ``STAGES``, V's fp16 tile over an
-    fp8 cache, and :func:`_alloc_hand`'s. -> the ``smem`` tuple both take."""
+    """Shared memory of :func:`loader` and :func:`consumer`: the K/V ring of ``STAGES`` and :func:`_alloc_hand`'s.
+    -> the ``smem`` tuple both take."""
     F8: gl.constexpr = k_desc.dtype.is_fp8()
     op: gl.constexpr = gl.float16 if F8 else k_desc.dtype  # the GEMMs' operand dtype
-    D: gl.constexpr = k_desc.block_type.shape[1]
     k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = alloc_ring(k_desc, v_desc, BLOCK_N, STAGES, 1)
-    if F8:
-        v16 = gl.allocate_shared_memory(op, [BLOCK_N, D], gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], op))
-    else:
-        v16 = v_smem  # (not used: V's tiles are the operand)
     q_smem, p_smem, slots, q_ring, q_ready, q_empty = _alloc_hand(q_desc, op, BLOCK_N, STAGES, F8)
-    return q_smem, k_smem, v_smem, v16, p_smem, k_ready, v_ready, k_empty, v_empty, slots, q_ring, q_ready, q_empty
+    return q_smem, k_smem, v_smem, p_smem, k_ready, v_ready, k_empty, v_empty, slots, q_ring, q_ready, q_empty
 
 
 @gluon.jit

@@ -323,3 +323,40 @@ def test_fp8_tile_copy_down_the_rows_has_no_bank_conflicts(rows, warps):
             assert sorted(_bank_group(r, c) for r, c in firsts) == list(range(8))  # fp8 loads
             for half in (0, 8):  # fp16 stores: each thread's 16 values as two 16-byte stores
                 assert sorted(_bank_group(r, 2 * (c + half)) for r, c in firsts) == list(range(8))
+
+
+def _swizzled(row, byte, row_bytes, swizzle):
+    """The address of ``byte`` in ``row`` of an NVMMA tile of ``row_bytes``-byte rows with ``swizzle``-byte
+    swizzle: the 16-byte column XORed with the address's bits from 7 up (CUTLASS's Swizzle<log2(swizzle/16), 4, 3>)."""
+    a = row * row_bytes + byte
+    return a ^ ((a >> 7) & (swizzle // 16 - 1)) << 4
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp8_v_operand_loads_without_bank_conflicts_into_v_rows(d):
+    """The fp8 decode's V^T (``attend_sm90._v8_operand``) over a 64-key tile: ``_v8_layout`` covers the tile once,
+    each load of a warp (a thread's contiguous bytes of one key) finds every bank at most one word, and row ``r``
+    of the relabelled operand is head dim ``v_rows(r)``, where the consumer stores the output's row ``r``."""
+    require_sm90_triton()
+    from triton.experimental.gluon import language as gl
+    from paged_backend.kernels.attend_sm90 import _v8_layout, _v_relabel, v_rows
+    n = 64
+    lay = _v8_layout(n, d)
+    bases = lay.reg_bases + lay.lane_bases + lay.warp_bases
+    assert sorted(_coords(bases, i) for i in range(n * d)) == [(k, c) for k in range(n) for c in range(d)]
+    swizzle = gl.NVMMASharedLayout.get_default_for([n, d], gl.float8e4nv).swizzle_byte_width
+    width = d // 64  # the first reg bases run along the head dim: one load of 2 ** width bytes
+    regs, lanes = len(lay.reg_bases), len(lay.lane_bases)
+    for warp in range(1 << len(lay.warp_bases)):
+        for load in range(1 << regs - width):
+            banks = {}
+            for lane in range(1 << lanes):
+                key, byte = _coords(bases, (warp << lanes | lane) << regs | load << width)
+                word = _swizzled(key, byte, d, swizzle) // 4
+                banks.setdefault(word % 32, set()).add(word)
+            assert max(map(len, banks.values())) == 1, (warp, load, banks)
+    shape, order = _v_relabel(d, n)
+    assert order[-1] == len(order) - 1  # the keys stay where they are
+    heads = np.arange(d).reshape(shape[:-1]).transpose(order[:-1]).reshape(-1)
+    assert sorted(heads) == list(range(d)) and (v_rows.fn(np.arange(d), d) == heads).all()
+
