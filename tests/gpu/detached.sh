@@ -7,7 +7,10 @@
 #
 # The device machine keeps a process of its own session running between calls while it stays warm
 # (30 s after a call returns), so issue `wait` calls back to back until it prints "finished". The
-# whole GPU suite then runs in one process however long it takes (`start tests`). Each call prints
+# whole GPU suite then runs in one process however long it takes (`start tests`), on a copy of the
+# tree taken at `start`: each later call copies the working tree over the repository again, which
+# replaced the benchmarks/results/ files a detached benchmark had written (2026-12-01); paged_backend
+# stays installed from the copy until tests/gpu/env.sh (run.sh, ab.sh) installs a tree again. Each call prints
 # the progress and copies run.sh's files (env.txt, pytest.log, ...) to $OUT; run.sh's last line
 # (its summary) appears in detached.log once it has finished. `pack` puts the compile caches the run
 # filled (tests/gpu/env.sh) in $OUT as gpu-cache.tar.xz.00, .01, ... (15 MB parts, each one of the 8
@@ -21,10 +24,12 @@ mkdir -p "$OUT"
 case "${1:-}" in
   start)
     shift
-    rm -rf "$DIR"; mkdir -p "$DIR/out"
-    OUT="$DIR/out" setsid bash -c 'bash tests/gpu/run.sh "$@" > "'"$DIR"'/detached.log" 2>&1; echo $? > "'"$DIR"'/rc"' \
-      run "$@" < /dev/null > /dev/null 2>&1 &
-    echo "started: tests/gpu/run.sh $*" ;;
+    rm -rf "$DIR"; mkdir -p "$DIR/out" "$DIR/tree"
+    tar -cf - --exclude=./.git . | tar -xf - -C "$DIR/tree"
+    (cd "$DIR/tree" && OUT="$DIR/out" setsid bash -c \
+      'bash tests/gpu/run.sh "$@" > "'"$DIR"'/detached.log" 2>&1; echo $? > "'"$DIR"'/rc"' \
+      run "$@" < /dev/null > /dev/null 2>&1 &)
+    echo "started: tests/gpu/run.sh $* (in $DIR/tree)" ;;
   wait) ;;
   pack)
     [ -f "$DIR/rc" ] || { echo "pack: no finished run on this machine"; exit 1; }
