@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 import paged_backend as pb  # noqa: E402
 from paged_backend.cascade import CascadeCost, cascade_node_kernel_name  # noqa: E402
+from peers import fi_prefill_backend  # noqa: E402
 
 BENCH = "cascade"
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -101,6 +102,10 @@ def fi_cascade(case, device, dtype):
     last[-1].fill_((tail_tokens - 1) % BS + 1)
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
     w = flashinfer.MultiLevelCascadeAttentionWrapper(len(counts), ws, "NHD")
+    backend = fi_prefill_backend("auto", dtype, case["kv_dtype"])
+    if backend != "auto":  # (the wrapper takes no backend: its levels' prefill wrappers, made again)
+        w._batch_prefill_wrappers = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+                                     for _ in counts]
     w.plan(qo, kvp, kvi, last, HQ, HKV, D, BS, q_data_type=dtype, kv_data_type=case["kv_dtype"])
     return [lambda q=q, k=k, v=v: w.run(q, (k, v)) for q, k, v in case["sets"]], None
 

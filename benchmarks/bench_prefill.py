@@ -36,6 +36,7 @@ from common import (free_memory, gpu_name, gpu_slug, md_table, now, rel_err, sho
 import paged_backend as pb  # noqa: E402
 from paged_backend.kernels.prefill import prefill_config, prefill_triton  # noqa: E402
 from paged_backend.prefill import prefill_kernel_name  # noqa: E402
+from peers import fi_prefill_backend  # noqa: E402
 
 LN2 = math.log(2.0)
 CASES = [
@@ -201,6 +202,7 @@ def flashinfer_impl(inp, backend: str):
     indices = inp["bt"].cpu()[live].to(torch.int32)
     last = torch.tensor([(n - 1) % bs + 1 for n in seq_lens], dtype=torch.int32)
     ws = torch.zeros(256 << 20, dtype=torch.uint8, device=q.device)
+    backend = fi_prefill_backend(backend, q.dtype, k.dtype)
     try:
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
     except TypeError:  # releases without the backend argument

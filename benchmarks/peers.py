@@ -29,6 +29,13 @@ class Impl:
     note: str = ""
 
 
+def fi_prefill_backend(backend: str, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
+    """FlashInfer's prefill backend for these dtypes: ``auto`` is ``fa2`` where the queries' dtype is not the
+    cache's - FlashInfer 0.2.14's own ``auto`` picks ``fa3`` on sm_90, whose kernels do not build for bf16 queries
+    over an e4m3 cache (cute: "No eligible GMMA operator", H200, 2026-12-01)."""
+    return "fa2" if backend == "auto" and q_dtype != kv_dtype else backend
+
+
 def flashinfer_impl(inp: PagedInputs) -> Impl:
     """``BatchDecodeWithPagedKVCacheWrapper``, NHD, our page size and page table; planned once.
     Its CUDA-core kernel takes groups of 1, 2, 3, 4 or 8 query heads per KV head. MQA with a larger
