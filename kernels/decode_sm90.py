@@ -106,7 +106,7 @@ def consumer(rows, smem, GROUP: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr,
         v_scale = gl.load(vs_ptr)
     h = gl.arange(0, NQ, layout=gl.SliceLayout(0, s_layout))
     d = gl.arange(0, D, layout=gl.SliceLayout(1, s_layout))
-    if F8:
+    if F8:  # acc's rows are V^T's as attend_swapped relabelled them: stored at their head dims
         d = v_rows(d, D)
     ok = h < GROUP
     it = gl.to_tensor(0)
