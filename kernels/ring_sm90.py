@@ -153,9 +153,9 @@ def convert_tile(src, dst, t, CHUNK: gl.constexpr):
     own stages), ``CHUNK`` rows at a time (the whole tile: 0), once it has landed and its 16-bit stage is free;
     published to the consumers, and its fp8 stage released to the loader.
     Whole tiles go down the rows (``copy_tile``'s ``DOWN``, conflict-free stores): the prefill over fp8 1.08-1.10x
-    (H200, same-call A/B, sweeps/prefill_fp8_sm90_h200.log section 4). Not in 8-row chunks, the fused node kernel's
-    converters at 32 registers (its tails' consumer spilled 4-8 bytes with the decode's V copies so, not measured
-    alone), nor in the Hopper decode's V copies (1-2.4% slower there)."""
+    (H200, same-call A/B, sweeps/prefill_fp8_sm90_h200.log section 4). Not in the fused node kernel's 8-row chunks
+    (converters at 32 registers): the one A/B with it there had the decode's V copies (since gone) so too, and the
+    tails' consumer spilled 4-8 bytes."""
     s8, phase8 = _stage(src, t)
     s, phase = _stage(dst, t)
     mbarrier.wait(src[1].index(s8), phase8)

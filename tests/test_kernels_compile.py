@@ -299,11 +299,18 @@ def _coords(bases, index):
     return row, col
 
 
+def _swizzled(row, byte, row_bytes, swizzle):
+    """The address of ``byte`` in ``row`` of an NVMMA tile of ``row_bytes``-byte rows with ``swizzle``-byte
+    swizzle: the 16-byte column XORed with the address's bits from 7 up (CUTLASS's Swizzle<log2(swizzle/16), 4, 3>)."""
+    a = row * row_bytes + byte
+    return a ^ ((a >> 7) & (swizzle // 16 - 1)) << 4
+
+
 def _bank_group(row, byte, row_bytes=128):
     """The 16-byte bank group (of 8) of ``byte`` in ``row`` of an NVMMA tile with 128-byte swizzle: rows wider than
     128 bytes are spans of 128 bytes (whole multiples of 128 bytes apart), and a span's 16-byte column moves by the
     row."""
-    return (byte % row_bytes // 16) ^ row % 8
+    return _swizzled(row, byte % row_bytes, row_bytes, 128) // 16 % 8
 
 
 @pytest.mark.parametrize("rows, warps", [(64, 4), (64, 2), (8, 2)])
@@ -323,13 +330,6 @@ def test_fp8_tile_copy_down_the_rows_has_no_bank_conflicts(rows, warps):
             assert sorted(_bank_group(r, c) for r, c in firsts) == list(range(8))  # fp8 loads
             for half in (0, 8):  # fp16 stores: each thread's 16 values as two 16-byte stores
                 assert sorted(_bank_group(r, 2 * (c + half)) for r, c in firsts) == list(range(8))
-
-
-def _swizzled(row, byte, row_bytes, swizzle):
-    """The address of ``byte`` in ``row`` of an NVMMA tile of ``row_bytes``-byte rows with ``swizzle``-byte
-    swizzle: the 16-byte column XORed with the address's bits from 7 up (CUTLASS's Swizzle<log2(swizzle/16), 4, 3>)."""
-    a = row * row_bytes + byte
-    return a ^ ((a >> 7) & (swizzle // 16 - 1)) << 4
 
 
 @pytest.mark.parametrize("d", [64, 128])
